@@ -22,15 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import BadInput
-
-# model_type -> human name. Every family here shares the Llama layout (pre-norm, rotary,
-# gated MLP); Qwen2 adds q/k/v biases (inside the Linear layers), Qwen3 adds q/k RMS norms.
-SUPPORTED_FAMILIES = {
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-}
+from .families import SUPPORTED_FAMILIES, unsupported_message
 
 # Large enough that exp() underflows to 0 in float16 softmax, small enough not to overflow
 # when a caller's own additive mask is added on top.
@@ -57,10 +49,7 @@ class DecoderShape:
     def from_config(cls, config) -> "DecoderShape":
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_FAMILIES:
-            raise BadInput(
-                f"unsupported architecture {model_type!r}: supported are "
-                + ", ".join(f"{v} ({k})" for k, v in SUPPORTED_FAMILIES.items())
-            )
+            raise BadInput(unsupported_message(model_type))
         n_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         sliding = None

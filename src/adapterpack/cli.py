@@ -1,0 +1,270 @@
+"""Command line: parses arguments, calls the library, and is the one error boundary.
+
+Exit codes: 0 ok, 1 internal error, 2 bad input, 3 verification failed, 4 out of resources,
+130 interrupted. ``ADAPTERPACK_DEBUG=1`` shows tracebacks and the libraries' own output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import EXIT_CODES, AdapterpackError
+
+EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {text.split(' (')[0]}" for code, text in EXIT_CODES.items()) + "."
+
+app = typer.Typer(
+    name="adapterpack",
+    help="Package a Hugging Face base model and its LoRA adapters as ONE multifunction Core ML "
+    "model with a stateful KV-cache (one function per adapter). " + EXIT_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+log = logging.getLogger("adapterpack")
+
+
+def _debug() -> bool:
+    return os.environ.get("ADAPTERPACK_DEBUG", "") not in ("", "0")
+
+
+def _configure_logging(quiet: bool) -> None:
+    level = logging.DEBUG if _debug() else (logging.WARNING if quiet else logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger("adapterpack")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+    if not _debug():
+        from .quiet import silence_libraries
+
+        silence_libraries()
+
+
+@contextlib.contextmanager
+def error_boundary() -> Iterator[None]:
+    """Turn every failure into one line on stderr and a documented exit code."""
+    try:
+        yield
+    except AdapterpackError as error:
+        if _debug():
+            raise
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(error.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("interrupted", highlight=False)
+        raise typer.Exit(130) from None
+    except typer.Exit:
+        raise
+    except MemoryError:
+        err.print("[bold red]error:[/] out of memory", highlight=False)
+        raise typer.Exit(4) from None
+    except OSError as error:
+        if _debug():
+            raise
+        if getattr(error, "errno", None) == 28:  # ENOSPC
+            err.print(f"[bold red]error:[/] out of disk space: {error}", highlight=False, soft_wrap=True)
+            raise typer.Exit(4) from None
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except Exception as error:  # noqa: BLE001 - the one place that catches everything
+        if _debug():
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        err.print(
+            f"[bold red]internal error:[/] {type(error).__name__}: {first} "
+            "(run with ADAPTERPACK_DEBUG=1 for the traceback)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1) from None
+
+
+class ConsoleReporter:
+    """Progress for long builds: a spinner per stage on a terminal, one log line per stage otherwise."""
+
+    def __init__(self, quiet: bool):
+        self.live = err.is_terminal and not quiet and not os.environ.get("CI")
+        self.quiet = quiet
+
+    @contextlib.contextmanager
+    def stage(self, label: str) -> Iterator[None]:
+        started = time.perf_counter()
+        if self.live:
+            with err.status(f"{label} ..."):
+                yield
+        else:
+            yield
+        seconds = time.perf_counter() - started
+        if self.live:
+            err.print(f"[green]✓[/] {label} [dim]({seconds:.1f} s)[/]", highlight=False)
+        else:  # CI logs: still one line per stage
+            print(f"{label} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            err.print(message, highlight=False)
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"
+
+
+ManifestArg = Annotated[Path, typer.Argument(help="Manifest YAML, e.g. manifests/demo.yaml", show_default=False)]
+
+
+@app.command()
+def build(
+    manifest: ManifestArg,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Output .mlpackage (overrides the manifest's `output`)")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the build succeeded)")] = False,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+) -> None:
+    """Build one multifunction .mlpackage from a manifest.
+
+    Example: adapterpack build manifests/demo.yaml -o build/demo.mlpackage --force
+    """
+    _configure_logging(quiet)
+    with error_boundary():
+        from .pipeline import build as run_build
+
+        result = run_build(manifest, output=output, force=force, allow_pickle=allow_pickle, reporter=ConsoleReporter(quiet))
+        table = Table(title=f"{result.output}", title_justify="left")
+        for column in ("function", "adapter", "lora", "compression", "alone"):
+            table.add_column(column)
+        for record in result.functions:
+            default = " (default)" if record.name == result.default_function else ""
+            table.add_row(
+                record.name + default,
+                record.adapter or "(base)",
+                record.lora or "-",
+                record.compression,
+                _human(result.part_sizes.get(record.name, 0)),
+            )
+        out.print(table)
+        alone = sum(result.part_sizes.values())
+        out.print(
+            f"package {_human(result.package_size)} (functions built alone: {_human(alone)}) "
+            f"in {result.seconds:.0f} s",
+            highlight=False,
+        )
+
+
+@app.command()
+def validate(
+    manifest: ManifestArg,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters")] = False,
+) -> None:
+    """Check a manifest, its base and its adapters without building anything.
+
+    Example: adapterpack validate manifests/demo.yaml
+    """
+    _configure_logging(quiet=False)
+    with error_boundary():
+        from .pipeline import check_inputs
+
+        checked = check_inputs(manifest, allow_pickle=allow_pickle)
+        m = checked.manifest
+        out.print(
+            f"{manifest}: ok: {len(m.function_names)} function(s) "
+            f"({', '.join(m.function_names)}; default {m.default}), base {m.base.path} "
+            f"({checked.base.config.get('model_type')}), max_context {m.export.max_context}",
+            highlight=False,
+        )
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of the manifest format.
+
+    Example: adapterpack schema > manifest.schema.json
+    """
+    from .manifest import manifest_json_schema
+
+    print(json.dumps(manifest_json_schema(), indent=2))
+
+
+@app.command()
+def functions(
+    package: Annotated[Path, typer.Argument(help="A .mlpackage, e.g. build/demo.mlpackage", show_default=False)],
+    expect: Annotated[
+        Optional[str],
+        typer.Option("--expect", help="Comma-separated function names the app uses; exit 2 unless exactly these, e.g. chat,code,zen"),
+    ] = None,
+    swift: Annotated[bool, typer.Option("--swift", help="Print a Swift enum of the functions, ready to paste")] = False,
+    swift_type: Annotated[str, typer.Option("--swift-type", help="Name of the Swift enum")] = "AdapterFunction",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """List a package's functions (default marked) with their inputs, outputs and states.
+
+    Example (CI guard for the Swift code): adapterpack functions build/demo.mlpackage --expect base,code,docs,zen
+    """
+    _configure_logging(quiet=True)
+    with error_boundary():
+        from .errors import BadInput
+        from .functions import expectation_diff, read_functions, swift_enum
+
+        package_functions = read_functions(package)
+        if expect is not None:
+            expected = [name.strip() for name in expect.split(",") if name.strip()]
+            diff = expectation_diff(package_functions.names, expected)
+            if diff:
+                raise BadInput(f"{package}: functions differ from --expect: {diff}")
+        if swift:
+            print(swift_enum(package_functions, swift_type))
+            return
+        if as_json:
+            print(json.dumps(
+                {
+                    "package": str(package),
+                    "default": package_functions.default,
+                    "functions": [
+                        {
+                            "name": f.name,
+                            "inputs": [vars(x) for x in f.inputs],
+                            "outputs": [vars(x) for x in f.outputs],
+                            "states": [vars(x) for x in f.states],
+                        }
+                        for f in package_functions.functions
+                    ],
+                },
+                indent=2,
+            ))
+            return
+        table = Table(title=str(package), title_justify="left")
+        for column in ("function", "inputs", "outputs", "states"):
+            table.add_column(column)
+        for f in package_functions.functions:
+            fmt = lambda features: "\n".join(f"{x.name} {x.dtype} {x.shape}" for x in features)  # noqa: E731
+            marker = " (default)" if f.name == package_functions.default else ""
+            table.add_row(f.name + marker, fmt(f.inputs), fmt(f.outputs), fmt(f.states))
+        out.print(table)
+        if expect is not None:
+            out.print(f"functions match --expect ({len(package_functions.names)})", highlight=False)
+
+
+def main() -> None:  # pragma: no cover - console entry point convenience
+    app()

@@ -1,0 +1,85 @@
+"""Merge single-function packages into one multifunction package and write its metadata back.
+
+``save_multifunction`` shares a weight between functions only when it is identical, and drops
+model-level metadata, so metadata is re-added afterwards by load -> edit -> save to a new path
+(saving onto the folder a model was loaded from deletes it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+from .quiet import captured_output, import_coremltools
+
+log = logging.getLogger(__name__)
+
+HF_NAME_KEY = "co.huggingface.exporters.name"
+METADATA_PREFIX = "co.adapterpack."
+
+
+def merge_functions(
+    parts: Mapping[str, Path],
+    *,
+    default_function: str,
+    destination: Path,
+    metadata: Mapping[str, str],
+    description: str,
+) -> Path:
+    """Merge ``parts`` (function name -> single-function package) into ``destination``."""
+    ct = import_coremltools()
+    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+
+    descriptor = MultiFunctionDescriptor()
+    for name, path in parts.items():
+        descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
+    descriptor.default_function_name = default_function
+    merged = destination.parent / (destination.name + ".merged.mlpackage")
+    with captured_output():
+        save_multifunction(descriptor, str(merged))
+        model = ct.models.MLModel(str(merged), skip_model_load=True)
+        model.user_defined_metadata.update({k: str(v) for k, v in metadata.items()})
+        model.short_description = description
+        model.author = "adapterpack"
+        model.save(str(destination))
+    shutil.rmtree(merged, ignore_errors=True)
+    return destination
+
+
+def package_metadata(
+    *,
+    hf_name: str,
+    manifest_name: str,
+    functions: Mapping[str, Mapping[str, object]],
+    default_function: str,
+    max_context: int,
+    base: Mapping[str, object],
+    versions: Mapping[str, str],
+) -> dict[str, str]:
+    """Metadata written into the package: the client's lookup key plus adapterpack's provenance."""
+    return {
+        HF_NAME_KEY: hf_name,
+        "co.huggingface.exporters.task": "text-generation",
+        METADATA_PREFIX + "name": manifest_name,
+        METADATA_PREFIX + "defaultFunction": default_function,
+        METADATA_PREFIX + "maxContext": str(max_context),
+        METADATA_PREFIX + "base": json.dumps(dict(base), sort_keys=True),
+        METADATA_PREFIX + "functions": json.dumps({k: dict(v) for k, v in functions.items()}, sort_keys=True),
+        METADATA_PREFIX + "versions": json.dumps(dict(versions), sort_keys=True),
+    }
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of adapterpack and the libraries that shape the package's bytes."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("adapterpack", "coremltools", "torch", "transformers", "peft", "numpy"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "unknown"
+    return found

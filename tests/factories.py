@@ -1,0 +1,101 @@
+"""Tiny random models and adapters, made offline, for every supported family.
+
+Like mergekit's ``make_picollama``: small enough to build in seconds, shaped like the real thing
+(GQA, biases, q/k norms, Llama 3 rope scaling, tied embeddings).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        common.update(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=True,
+        )
+    elif family == "mistral":
+        common.update(num_key_value_heads=4, sliding_window=None)  # MHA
+    elif family == "qwen3":
+        common.update(head_dim=32)  # head_dim decoupled from hidden/heads, as in Qwen3
+    common.update(overrides)
+    return AutoConfig.for_model(family, **common)
+
+
+def make_base(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random base model of ``family`` to ``folder`` (safetensors) and return it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    with torch.no_grad():  # biases start at zero; make them matter (Qwen2 q/k/v biases)
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.1)
+    model.config._name_or_path = f"adapterpack-tests/tiny-{family}"
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def make_adapter(
+    folder: Path,
+    base_folder: Path,
+    *,
+    seed: int = 1,
+    r: int = 4,
+    alpha: int = 8,
+    targets=("q_proj", "v_proj"),
+    zero_b: bool = False,
+    std: float = 0.3,
+    **lora_kwargs,
+) -> Path:
+    """Save a peft LoRA adapter with random (non-identity) A and B to ``folder``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_folder)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **lora_kwargs)
+    model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                if "lora_B" in name and zero_b:
+                    parameter.zero_()
+                else:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    model.save_pretrained(folder)
+    return folder
+
+
+def write_manifest(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def deepcopy_model(model):
+    return copy.deepcopy(model)
