@@ -269,22 +269,17 @@ def check_function_name(value: str) -> str:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that keeps YAML 1.1 words (yes/no/on/off) as strings, so the schema can refuse
-    them where a string is expected instead of silently reading ``name: no`` as ``False``."""
+    """SafeLoader (YAML 1.1 rules kept on purpose: ``name: no`` reads as ``False``, and the schema's
+    strict string fields then refuse it with a hint to quote, instead of accepting a surprise)."""
 
 
-_StrictLoader.yaml_implicit_resolvers = {
-    key: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()
-}
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-_YAML_11_WORDS = {"yes", "no", "on", "off", "y", "n"}
+_YAML_11_WORDS = {"yes", "no", "on", "off", "y", "n", "true", "false"}
 
 
-def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], file: Path) -> None:
+def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], file: Path, raw: dict[tuple, str]) -> None:
     lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.ScalarNode):
+        raw[path] = node.value
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
@@ -296,10 +291,10 @@ def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], file: Path) -> 
                 )
             seen[key] = key_node.start_mark.line + 1
             lines[path + (key,)] = key_node.start_mark.line + 1
-            _walk(value_node, path + (key,), lines, file)
+            _walk(value_node, path + (key,), lines, file, raw)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, path + (index,), lines, file)
+            _walk(item, path + (index,), lines, file, raw)
 
 
 def _line_for(loc: tuple, lines: dict[tuple, int]) -> int | None:
@@ -330,7 +325,8 @@ def load_manifest(path: str | Path) -> Manifest:
     if root is None or not isinstance(root, yaml.MappingNode):
         raise BadInput(f"{file}:1: the manifest must be a YAML mapping (name:, base:, adapters:, ...)")
     lines: dict[tuple, int] = {}
-    _walk(root, (), lines, file)
+    raw: dict[tuple, str] = {}
+    _walk(root, (), lines, file, raw)
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:  # e.g. unhashable keys, which compose accepts
@@ -338,7 +334,7 @@ def load_manifest(path: str | Path) -> Manifest:
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as error:
-        raise BadInput(_describe_validation_error(error, file, lines, data)) from None
+        raise BadInput(_describe_validation_error(error, file, lines, raw)) from None
     except ValueError as error:
         raise BadInput(f"{file}: {error}") from None
     manifest = manifest.model_copy(update={"source": file.resolve()})
@@ -346,7 +342,7 @@ def load_manifest(path: str | Path) -> Manifest:
     return manifest
 
 
-def _describe_validation_error(error: ValidationError, file: Path, lines: dict[tuple, int], data: Any) -> str:
+def _describe_validation_error(error: ValidationError, file: Path, lines: dict[tuple, int], raw: dict[tuple, str]) -> str:
     first = error.errors(include_url=False)[0]
     loc = tuple(first["loc"])
     line = _line_for(loc, lines)
@@ -357,11 +353,11 @@ def _describe_validation_error(error: ValidationError, file: Path, lines: dict[t
     if first["type"] == "extra_forbidden":
         message = f"unknown key '{loc[-1]}'"
         where = where.rsplit(".", 1)[0] if "." in where else ""
-    value = first.get("input")
-    if first["type"] in ("string_type",) and isinstance(value, str) is False and value is not None:
-        message += f" (got {value!r}; quote the value to keep it as text)"
-    if isinstance(value, str) and value.lower() in _YAML_11_WORDS and first["type"] != "string_type":
-        message += f" (got the word '{value}'; write true or false)"
+    written = raw.get(loc)
+    if first["type"] == "string_type" and written is not None:
+        # YAML turned an unquoted word or number into another type: show what was written.
+        reading = "a boolean" if written.lower() in _YAML_11_WORDS else "a number"
+        message = f"YAML reads {written} as {reading}, not text: quote it (\"{written}\")"
     if len(error.errors()) > 1:
         message += f" (and {len(error.errors()) - 1} more)"
     prefix = f"{file}:{line}" if line else str(file)

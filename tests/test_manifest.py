@@ -1,0 +1,116 @@
+"""The manifest schema: defaults, cross-references, and one-line errors with file and line."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from adapterpack.errors import BadInput
+from adapterpack.manifest import load_manifest, manifest_json_schema
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    for name in ("base", "a1", "a2"):
+        (tmp_path / name).mkdir()
+    return tmp_path
+
+
+def write(folder: Path, text: str) -> Path:
+    path = folder / "m.yaml"
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+GOOD = """
+name: demo
+base:
+  path: base
+adapters:
+  - name: chat
+    path: a1
+  - name: code
+    path: a2
+    scale: 0.5
+    compression: {nbits: 6}
+include_base: plain
+default_function: code
+export:
+  max_context: 256
+compression:
+  method: palettize
+"""
+
+
+def test_valid_manifest_resolves_defaults(folder):
+    manifest = load_manifest(write(folder, GOOD))
+    assert manifest.function_names == ["chat", "code", "plain"]
+    assert manifest.default == "code"
+    assert manifest.compression.nbits == 4 and manifest.compression.group_size == 16
+    assert manifest.compression_for("code").nbits == 6
+    assert manifest.compression_for("code").granularity == "per_grouped_channel"
+    assert manifest.compression_for("plain") == manifest.compression
+    assert manifest.adapter_path(manifest.adapters[0]) == (folder / "a1").resolve()
+    assert manifest.output_path() == (folder / "build" / "demo.mlpackage").resolve()
+    assert manifest.output_path("x.mlpackage").name == "x.mlpackage"
+
+
+def test_default_function_defaults_to_first(folder):
+    manifest = load_manifest(write(folder, "name: d\nbase: {path: base}\nadapters: [{name: a, path: a1}]\n"))
+    assert manifest.default == "a"
+    assert manifest.lora == "fuse"
+
+
+def test_linear_defaults(folder):
+    text = "name: d\nbase: {path: base}\nadapters: [{name: a, path: a1}]\ncompression: {method: linear}\n"
+    compression = load_manifest(write(folder, text)).compression
+    assert (compression.nbits, compression.granularity, compression.block_size) == (8, "per_block", 32)
+
+
+@pytest.mark.parametrize(
+    "text, line, fragment",
+    [
+        (GOOD.replace("  max_context: 256", "  max_context: 256\n  colour: red"), 15, "unknown key 'colour'"),
+        (GOOD.replace("name: demo", "name: demo\nname: again"), 2, "duplicate key 'name'"),
+        (GOOD.replace("  - name: code", "  - name: Chat"), None, "clash"),
+        (GOOD.replace("  - name: code", "  - name: 2code"), 7, "not usable from Swift"),
+        (GOOD.replace("default_function: code", "default_function: nope"), None, "default_function 'nope'"),
+        (GOOD.replace("path: a2", "path: missing"), 8, "does not exist"),
+        (GOOD.replace("method: palettize", "method: zip"), 16, "'palettize', 'linear', 'prune' or 'none'"),
+        (GOOD.replace("{nbits: 6}", "{nbits: 5}"), None, "nbits 5 is not valid for palettize"),
+        (GOOD.replace("name: demo", "name: no"), 1, "quote"),
+        (GOOD.replace("  max_context: 256", "  max_context: many"), 14, "integer"),
+        (GOOD.replace("  max_context: 256", "  max_context: 256\n  deployment_target: iOS17"), 15, "iOS18"),
+        (GOOD.replace("base:\n  path: base", "base:\n  path: ./nothing/here"), 3, "does not exist"),
+        ("name: [unclosed\n", None, "YAML syntax error"),
+        ("- just\n- a list\n", 1, "must be a YAML mapping"),
+        ("name: d\nbase: {path: base}\n", None, "no functions"),
+        (GOOD.replace("method: palettize", "method: prune\n  nbits: 4"), None, "'nbits' does not apply"),
+    ],
+)
+def test_bad_manifests_name_file_and_line(folder, text, line, fragment):
+    path = write(folder, text)
+    with pytest.raises(BadInput) as raised:
+        load_manifest(path)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(str(path))
+    assert fragment in message
+    if line is not None:
+        assert message.startswith(f"{path}:{line}:"), message
+
+
+def test_missing_manifest(tmp_path):
+    with pytest.raises(BadInput, match="manifest not found"):
+        load_manifest(tmp_path / "nope.yaml")
+
+
+def test_schema_is_json_and_strict():
+    schema = manifest_json_schema()
+    json.dumps(schema)
+    assert schema["additionalProperties"] is False
+    assert "source" not in schema["properties"]
+    assert {"name", "base"} <= set(schema["required"])
