@@ -14,15 +14,16 @@ and pickle weights are refused unless the caller opts in.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -89,6 +90,8 @@ _CHUNK = 1 << 20  # 1 MiB: a multiple of every element size, small enough to sta
 _PEFT_PREFIX = "base_model.model."
 SUPPORTED_PEFT_TYPES = ("LORA",)
 _PICKLE_HINT = "pickle weights can run code; convert to safetensors or pass --allow-pickle"
+
+_T = TypeVar("_T")
 
 # A Hugging Face repo id: "name" or "owner/name".
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -223,12 +226,23 @@ def _parse_header(file: Path) -> tuple[dict[str, _Entry], int]:
         with file.open("rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size < 8:
-                raise _bad(file, f"not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+                raise _bad(
+                    file,
+                    f"not a safetensors file: {size} bytes, shorter than the 8-byte header length",
+                )
             (n,) = struct.unpack("<Q", fh.read(8))
             if n > MAX_HEADER_BYTES:
-                raise _bad(file, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit: corrupt or not safetensors")
+                raise _bad(
+                    file,
+                    f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit: "
+                    "corrupt or not safetensors",
+                )
             if n > size - 8:
-                raise _bad(file, f"header length {n} exceeds the file size ({size} bytes): truncated or not safetensors")
+                raise _bad(
+                    file,
+                    f"header length {n} exceeds the file size ({size} bytes): "
+                    "truncated or not safetensors",
+                )
             raw = fh.read(n)
     except FileNotFoundError:
         raise _bad(file, "missing") from None
@@ -244,7 +258,9 @@ def _parse_header(file: Path) -> tuple[dict[str, _Entry], int]:
     except UnicodeDecodeError as exc:
         raise _bad(file, f"safetensors header is not UTF-8 (byte {exc.start + 8})") from None
     except json.JSONDecodeError as exc:
-        raise _bad(file, f"safetensors header is not valid JSON (byte {exc.pos + 8}: {exc.msg})") from None
+        raise _bad(
+            file, f"safetensors header is not valid JSON (byte {exc.pos + 8}: {exc.msg})"
+        ) from None
     except (ValueError, RecursionError) as exc:
         raise _bad(file, f"safetensors header is not valid JSON ({_short(exc)})") from None
     if not isinstance(header, dict):
@@ -268,13 +284,21 @@ def _parse_header(file: Path) -> tuple[dict[str, _Entry], int]:
     previous = None
     for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
         if entry.begin < expected:
-            raise _bad(file, f"tensor {name!r} (bytes {entry.begin}-{entry.end}) overlaps tensor {previous!r}")
+            raise _bad(
+                file,
+                f"tensor {name!r} (bytes {entry.begin}-{entry.end}) overlaps tensor {previous!r}",
+            )
         if entry.begin > expected:
-            raise _bad(file, f"data bytes {expected}-{entry.begin} belong to no tensor (gap before {name!r})")
+            raise _bad(
+                file,
+                f"data bytes {expected}-{entry.begin} belong to no tensor (gap before {name!r})",
+            )
         expected = entry.end
         previous = name
     if expected != data_len:
-        raise _bad(file, f"{data_len - expected} trailing data bytes after the last tensor: corrupt file")
+        raise _bad(
+            file, f"{data_len - expected} trailing data bytes after the last tensor: corrupt file"
+        )
     return entries, 8 + n
 
 
@@ -297,26 +321,38 @@ def _bounded_prod(dims: list[int], limit: int) -> int:
 def _check_entry(file: Path, name: str, spec: Any, data_len: int) -> _Entry:
     """Validate one header entry against the size of the data region."""
     if not isinstance(spec, dict):
-        raise _bad(file, f"tensor {name!r}: header entry must be an object with dtype, shape, data_offsets")
+        raise _bad(
+            file, f"tensor {name!r}: header entry must be an object with dtype, shape, data_offsets"
+        )
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
     if dtype not in DTYPE_BITS:
-        raise _bad(file, f"tensor {name!r}: unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BITS)}")
+        raise _bad(
+            file, f"tensor {name!r}: unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BITS)}"
+        )
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise _bad(file, f"tensor {name!r}: shape {shape!r} must be a list of non-negative integers")
-    if not (
-        isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)
-    ):
-        raise _bad(file, f"tensor {name!r}: data_offsets {offsets!r} must be [begin, end] non-negative integers")
+        raise _bad(
+            file, f"tensor {name!r}: shape {shape!r} must be a list of non-negative integers"
+        )
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+        raise _bad(
+            file,
+            f"tensor {name!r}: data_offsets {offsets!r} must be [begin, end] non-negative integers",
+        )
     begin, end = offsets
     if begin > end:
         raise _bad(file, f"tensor {name!r}: data_offsets [{begin}, {end}] end before they begin")
     if end > data_len:
-        raise _bad(file, f"tensor {name!r} ends at data byte {end} but the data region has only {data_len} bytes: file truncated")
+        raise _bad(
+            file,
+            f"tensor {name!r} ends at data byte {end} but the data region has only "
+            f"{data_len} bytes: file truncated",
+        )
     bits = _bounded_prod(shape, 8 * (end - begin) + 1) * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != end - begin:
         raise _bad(
             file,
-            f"tensor {name!r}: {dtype} {tuple(shape)} does not fit the {end - begin} bytes its data_offsets span",
+            f"tensor {name!r}: {dtype} {tuple(shape)} does not fit the {end - begin} bytes "
+            "its data_offsets span",
         )
     return _Entry(dtype, tuple(shape), begin, end)
 
@@ -351,20 +387,25 @@ def check_finite(file: Path, tensors: dict[str, TensorInfo]) -> None:
                 rule = _NONFINITE_BITS.get(entry.dtype)
                 if rule is None or entry.begin == entry.end:
                     continue
-                count, first_byte = _scan_nonfinite(fh, data_start + entry.begin, entry.end - entry.begin, rule)
+                count, first_byte = _scan_nonfinite(
+                    fh, data_start + entry.begin, entry.end - entry.begin, rule
+                )
                 if count:
+                    bits = DTYPE_BITS[entry.dtype]
                     raise _bad(
                         file,
-                        f"tensor {name!r} ({entry.dtype} {entry.shape}) has {count} NaN/Inf value(s), "
-                        f"first at flat index {first_byte * 8 // DTYPE_BITS[entry.dtype]}: "
+                        f"tensor {name!r} ({entry.dtype} {entry.shape}) has {count} NaN/Inf "
+                        f"value(s), first at flat index {first_byte * 8 // bits}: "
                         "the weights are corrupt or training diverged",
                     )
     except OSError as exc:
         raise _bad(file, f"cannot read: {exc.strerror or _short(exc)}") from None
 
 
-def _scan_nonfinite(fh: Any, start: int, length: int, rule: tuple[type, int, int]) -> tuple[int, int]:
-    """Count non-finite values in ``length`` bytes at ``start``; return (count, first byte offset)."""
+def _scan_nonfinite(
+    fh: Any, start: int, length: int, rule: tuple[type, int, int]
+) -> tuple[int, int]:
+    """Count non-finite values in ``length`` bytes at ``start``; return (count, first offset)."""
     view, mask, value = rule
     itemsize = np.dtype(view).itemsize
     fh.seek(start)
@@ -399,8 +440,23 @@ def _looks_local(source: str) -> bool:
     )
 
 
+def _os_errors_as_bad_input(func: Callable[..., _T]) -> Callable[..., _T]:
+    """Safety net: an unreadable path found while probing folders is bad input, not a crash."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> _T:
+        try:
+            return func(*args, **kwargs)
+        except OSError as exc:
+            where = exc.filename or (args[0] if args else "input")
+            raise _bad(where, f"cannot access: {exc.strerror or _short(exc)}") from None
+
+    return wrapper
+
+
+@_os_errors_as_bad_input
 def resolve_base(source: str, revision: str | None, manifest_dir: Path) -> BaseInfo:
-    """Locate the base model (local folder relative to ``manifest_dir``, or a hub id) and validate it.
+    """Locate the base model (folder relative to ``manifest_dir``, or hub id) and validate it.
 
     For a hub id the files are fetched with ``huggingface_hub.snapshot_download`` (json,
     safetensors and tokenizer files only). The folder must hold ``config.json`` and either
@@ -408,16 +464,23 @@ def resolve_base(source: str, revision: str | None, manifest_dir: Path) -> BaseI
     bases are refused. Weights are described from headers only; NaN/Inf is not scanned here.
     """
     if not isinstance(source, str) or not source.strip():
-        raise BadInput("base: the manifest gives no base model (expected a local folder or a hub id)")
+        raise BadInput(
+            "base: the manifest gives no base model (expected a local folder or a hub id)"
+        )
     path = Path(source).expanduser()
     if not path.is_absolute():
         path = Path(manifest_dir) / path
     if path.exists():
         if not path.is_dir():
-            raise _bad(path, "base is a file; expected a folder with config.json and model.safetensors")
+            raise _bad(
+                path, "base is a file; expected a folder with config.json and model.safetensors"
+            )
         return _inspect_base_folder(path.resolve(), source, revision, from_hub=False)
     if _looks_local(source):
-        raise _bad(path, "base folder not found (the manifest's base path is resolved relative to the manifest)")
+        raise _bad(
+            path,
+            "base folder not found (the manifest's base path is resolved relative to the manifest)",
+        )
     return _inspect_base_folder(_download(source, revision, path), source, revision, from_hub=True)
 
 
@@ -440,15 +503,22 @@ def _download(source: str, revision: str | None, local_path: Path) -> Path:
         ) from None
     folder = Path(where)
     if not folder.is_dir():
-        raise BadInput(f"base '{source}': the hub download gave no folder ({where}): use a local folder")
+        raise BadInput(
+            f"base '{source}': the hub download gave no folder ({where}): use a local folder"
+        )
     return folder
 
 
-def _inspect_base_folder(folder: Path, source: str, revision: str | None, from_hub: bool) -> BaseInfo:
+def _inspect_base_folder(
+    folder: Path, source: str, revision: str | None, from_hub: bool
+) -> BaseInfo:
     """Validate config.json and the safetensors weights of a local base folder."""
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise _bad(config_file, "missing: the base folder must be a Hugging Face model folder with config.json")
+        raise _bad(
+            config_file,
+            "missing: the base folder must be a Hugging Face model folder with config.json",
+        )
     config = _load_json_object(config_file)
 
     single = folder / "model.safetensors"
@@ -482,8 +552,9 @@ def _no_weights_error(folder: Path, from_hub: bool) -> BadInput:
     if pickles:
         return _bad(
             folder,
-            f"base has only pickle weights ({', '.join(pickles[:3])}), which can run code when loaded; "
-            "convert them to safetensors (load and save_pretrained(safe_serialization=True))",
+            f"base has only pickle weights ({', '.join(pickles[:3])}), which can run code "
+            "when loaded; convert them to safetensors "
+            "(load and save_pretrained(safe_serialization=True))",
         )
     others = [n for n in names if n.endswith(".safetensors")]
     found = f"; found {', '.join(others[:3])}" if others else ""
@@ -496,10 +567,15 @@ def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str
     """Validate a sharded checkpoint: index weight_map against every shard's header."""
     data = _load_json_object(index)
     weight_map = data.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-        isinstance(v, str) for v in weight_map.values()
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(v, str) for v in weight_map.values())
     ):
-        raise _bad(index, "'weight_map' must be a non-empty object mapping tensor names to shard file names")
+        raise _bad(
+            index,
+            "'weight_map' must be a non-empty object mapping tensor names to shard file names",
+        )
 
     shard_names = sorted(set(weight_map.values()))
     files: list[Path] = []
@@ -518,7 +594,11 @@ def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str
             if name in tensors:
                 raise _bad(shard, f"tensor {name!r} also appears in {tensors[name].file.name}")
             if weight_map.get(name) != shard_name:
-                raise _bad(shard, f"tensor {name!r} is not mapped to this shard in {index.name}: inconsistent checkpoint")
+                raise _bad(
+                    shard,
+                    f"tensor {name!r} is not mapped to this shard in {index.name}: "
+                    "inconsistent checkpoint",
+                )
             tensors[name] = info
         files.append(shard)
     missing = [name for name in weight_map if name not in tensors]
@@ -547,7 +627,9 @@ def _pattern_key(patterns: Iterable[str], module: str, config_file: Path, field:
             if re.match(rf"(.*\.)?({pattern})$", module):
                 return pattern
         except re.error as exc:
-            raise _bad(config_file, f"{field} key {pattern!r} is not a valid regular expression ({exc})") from None
+            raise _bad(
+                config_file, f"{field} key {pattern!r} is not a valid regular expression ({exc})"
+            ) from None
     return None
 
 
@@ -555,14 +637,17 @@ def _adapter_config(folder: Path) -> tuple[Path, dict]:
     """Load adapter_config.json and check the fields the shape checks rely on."""
     config_file = folder / "adapter_config.json"
     if not config_file.exists():
-        raise _bad(config_file, "missing: a peft adapter folder needs adapter_config.json next to its weights")
+        raise _bad(
+            config_file,
+            "missing: a peft adapter folder needs adapter_config.json next to its weights",
+        )
     config = _load_json_object(config_file)
     peft_type = config.get("peft_type")
     if peft_type not in SUPPORTED_PEFT_TYPES:
         raise _bad(
             config_file,
-            f"peft_type {peft_type!r} is not supported; supported: {', '.join(SUPPORTED_PEFT_TYPES)} "
-            "(LoRA, including DoRA via use_dora)",
+            f"peft_type {peft_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_PEFT_TYPES)} (LoRA, including DoRA via use_dora)",
         )
     r = config.get("r", 8)  # peft's default when the field is absent
     if not _is_uint(r) or r == 0:
@@ -575,7 +660,9 @@ def _adapter_config(folder: Path) -> tuple[Path, dict]:
     modules_to_save = config.get("modules_to_save") or []
     if isinstance(modules_to_save, str):
         modules_to_save = [modules_to_save]
-    if not isinstance(modules_to_save, list) or not all(isinstance(m, str) for m in modules_to_save):
+    if not isinstance(modules_to_save, list) or not all(
+        isinstance(m, str) for m in modules_to_save
+    ):
         raise _bad(config_file, "'modules_to_save' must be a list of module names or null")
     return config_file, config
 
@@ -588,13 +675,22 @@ def _load_pickle_adapter(file: Path) -> dict[str, TensorInfo]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # weights_only refuses arbitrary globals; also corrupt archives
-        raise _bad(file, f"cannot load pickle weights safely ({type(exc).__name__}: {_short(exc)})") from None
+        raise _bad(
+            file, f"cannot load pickle weights safely ({type(exc).__name__}: {_short(exc)})"
+        ) from None
     if not isinstance(state, dict):
         raise _bad(file, f"expected a state dict of tensors, found {type(state).__name__}")
     names = {
-        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-        torch.uint8: "U8", torch.bool: "BOOL",
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
     }
     tensors: dict[str, TensorInfo] = {}
     for name, value in state.items():
@@ -603,7 +699,10 @@ def _load_pickle_adapter(file: Path) -> dict[str, TensorInfo]:
         if value.dtype not in names:
             raise _bad(file, f"tensor {name!r} has unsupported dtype {value.dtype}")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise _bad(file, f"tensor {name!r} has NaN/Inf values: the weights are corrupt or training diverged")
+            raise _bad(
+                file,
+                f"tensor {name!r} has NaN/Inf values: the weights are corrupt or training diverged",
+            )
         tensors[name] = TensorInfo(names[value.dtype], tuple(value.shape), file)
     return tensors
 
@@ -630,6 +729,9 @@ _LORA_SUFFIXES = (
 )
 
 
+_Roles = dict[str, tuple[str, TensorInfo]]  # role ("A", "B", ...) -> (adapter key, info)
+
+
 class _KeyChecker:
     """Checks peft state-dict keys against a base; collects problems instead of stopping at one."""
 
@@ -638,7 +740,7 @@ class _KeyChecker:
         self.config = config
         self.config_file = config_file
         self.problems: list[tuple[str, str]] = []
-        self.lora: dict[str, dict[str, tuple[str, TensorInfo]]] = {}  # module -> role -> (key, info)
+        self.lora: dict[str, _Roles] = {}
         self.saved: set[str] = set()
         self.fan_in_fan_out = bool(config.get("fan_in_fan_out"))
         self.modules_to_save = config.get("modules_to_save") or []
@@ -650,10 +752,16 @@ class _KeyChecker:
         self.vocab_size = config_base.get("vocab_size") or text_config.get("vocab_size")
 
     def base_tensor(self, name: str) -> TensorInfo | None:
-        """A base tensor by name; an lm_head tied to the embeddings is not stored, so follow the tie."""
+        """A base tensor by name; a tied lm_head is not stored, so follow the tie."""
         info = self.base.tensors.get(name)
-        if info is None and name.endswith("lm_head.weight") and self.base.config.get("tie_word_embeddings"):
-            tied = [n for n in self.base.tensors if n.endswith(("embed_tokens.weight", "wte.weight"))]
+        if (
+            info is None
+            and name.endswith("lm_head.weight")
+            and self.base.config.get("tie_word_embeddings")
+        ):
+            tied = [
+                n for n in self.base.tensors if n.endswith(("embed_tokens.weight", "wte.weight"))
+            ]
             if len(tied) == 1:
                 info = self.base.tensors[tied[0]]
         return info
@@ -665,21 +773,25 @@ class _KeyChecker:
     def add(self, key: str, info: TensorInfo) -> None:
         """Classify one adapter key; record it or a problem."""
         if not key.startswith(_PEFT_PREFIX):
-            self.problems.append((key, f"does not start with {_PEFT_PREFIX!r} (not a peft state dict)"))
+            self.problems.append(
+                (key, f"does not start with {_PEFT_PREFIX!r} (not a peft state dict)")
+            )
             return
-        name = key[len(_PEFT_PREFIX):]
+        name = key[len(_PEFT_PREFIX) :]
         for suffix, role in _LORA_SUFFIXES:
             if name.endswith(suffix):
                 module = name[: -len(suffix)]
                 if self.base_weight(module) is None:
-                    self.problems.append((key, f"module {module!r} has no weight in the base model"))
+                    self.problems.append(
+                        (key, f"module {module!r} has no weight in the base model")
+                    )
                 else:
                     self.lora.setdefault(module, {})[role] = (key, info)
                 return
         self.add_full_tensor(key, name, info)
 
     def add_full_tensor(self, key: str, name: str, info: TensorInfo) -> None:
-        """A whole replacement tensor: modules_to_save, saved embedding layers, LoRA base_layer copies."""
+        """A whole tensor: modules_to_save, saved embedding layers, LoRA base_layer copies."""
         module, _, param = name.rpartition(".")
         base_name = name
         if module.endswith(".base_layer"):  # peft saves targeted embeddings' base layer this way
@@ -694,7 +806,10 @@ class _KeyChecker:
         is_copy = base_name != name
         if not (is_saved or is_embedding or is_copy):
             self.problems.append(
-                (key, f"replaces base tensor {base_name!r} but {module!r} is not in modules_to_save")
+                (
+                    key,
+                    f"replaces base tensor {base_name!r} but {module!r} is not in modules_to_save",
+                )
             )
             return
         if info.shape != base_info.shape:
@@ -721,7 +836,12 @@ class _KeyChecker:
             assert weight is not None  # add() only records modules present in the base
             first_key = next(iter(roles.values()))[0]
             if len(weight.shape) != 2:
-                self.problems.append((first_key, f"base {module}.weight has shape {weight.shape}; LoRA needs a 2-D weight"))
+                self.problems.append(
+                    (
+                        first_key,
+                        f"base {module}.weight has shape {weight.shape}; LoRA needs a 2-D weight",
+                    )
+                )
                 continue
             embedding = "EA" in roles or "EB" in roles
             if embedding:
@@ -729,7 +849,9 @@ class _KeyChecker:
                 a_role, b_role = "EA", "EB"
                 n_in, n_out = weight.shape
                 if "A" in roles or "B" in roles:
-                    self.problems.append((first_key, "mixes lora_A/B and lora_embedding_A/B on one module"))
+                    self.problems.append(
+                        (first_key, "mixes lora_A/B and lora_embedding_A/B on one module")
+                    )
                     continue
             else:
                 a_role, b_role = "A", "B"
@@ -737,8 +859,10 @@ class _KeyChecker:
             if a_role not in roles or b_role not in roles:
                 have, lack = (a_role, b_role) if a_role in roles else (b_role, a_role)
                 self.problems.append(
-                    (roles[have][0] if have in roles else first_key,
-                     f"has no matching {_role_name(lack)} for module {module!r}")
+                    (
+                        roles[have][0] if have in roles else first_key,
+                        f"has no matching {_role_name(lack)} for module {module!r}",
+                    )
                 )
                 continue
             a_key, a = roles[a_role]
@@ -746,29 +870,57 @@ class _KeyChecker:
             r = self.expected_rank(module)
             if a.shape != (r, n_in):
                 self.problems.append(
-                    (a_key, f"shape {a.shape}, expected {(r, n_in)} (rank {r} from adapter_config.json, "
-                            f"base {module}.weight {weight.shape})")
+                    (
+                        a_key,
+                        f"shape {a.shape}, expected {(r, n_in)} "
+                        f"(rank {r} from adapter_config.json, "
+                        f"base {module}.weight {weight.shape})",
+                    )
                 )
             if b.shape != (n_out, r):
                 self.problems.append(
-                    (b_key, f"shape {b.shape}, expected {(n_out, r)} (rank {r} from adapter_config.json, "
-                            f"base {module}.weight {weight.shape})")
+                    (
+                        b_key,
+                        f"shape {b.shape}, expected {(n_out, r)} "
+                        f"(rank {r} from adapter_config.json, "
+                        f"base {module}.weight {weight.shape})",
+                    )
                 )
             for role, what in (("B_bias", "lora_B.bias"), ("M", "DoRA magnitude")):
                 if role in roles and roles[role][1].shape != (n_out,):
-                    self.problems.append((roles[role][0], f"{what} shape {roles[role][1].shape}, expected {(n_out,)}"))
+                    self.problems.append(
+                        (
+                            roles[role][0],
+                            f"{what} shape {roles[role][1].shape}, expected {(n_out,)}",
+                        )
+                    )
             if "M" in roles and not uses_dora:
-                self.problems.append((roles["M"][0], "DoRA magnitude vector but adapter_config.json has use_dora false"))
+                self.problems.append(
+                    (
+                        roles["M"][0],
+                        "DoRA magnitude vector but adapter_config.json has use_dora false",
+                    )
+                )
             if uses_dora and "M" not in roles:
-                self.problems.append((a_key, f"use_dora is true but module {module!r} has no lora_magnitude_vector"))
+                self.problems.append(
+                    (a_key, f"use_dora is true but module {module!r} has no lora_magnitude_vector")
+                )
             if "B_bias" in roles and not self.config.get("lora_bias"):
-                self.problems.append((roles["B_bias"][0], "lora_B.bias but adapter_config.json has lora_bias false"))
+                self.problems.append(
+                    (roles["B_bias"][0], "lora_B.bias but adapter_config.json has lora_bias false")
+                )
 
 
 def _role_name(role: str) -> str:
-    return {"A": "lora_A.weight", "B": "lora_B.weight", "EA": "lora_embedding_A", "EB": "lora_embedding_B"}[role]
+    return {
+        "A": "lora_A.weight",
+        "B": "lora_B.weight",
+        "EA": "lora_embedding_A",
+        "EB": "lora_embedding_B",
+    }[role]
 
 
+@_os_errors_as_bad_input
 def inspect_adapter(folder: Path, base: BaseInfo, *, allow_pickle: bool = False) -> AdapterInfo:
     """Validate a peft LoRA adapter folder and check that every tensor applies to ``base``.
 
@@ -780,7 +932,11 @@ def inspect_adapter(folder: Path, base: BaseInfo, *, allow_pickle: bool = False)
     if not folder.exists():
         raise _bad(folder, "adapter folder not found")
     if not folder.is_dir():
-        raise _bad(folder, "adapter is a file; expected a peft folder with adapter_config.json and adapter_model.safetensors")
+        raise _bad(
+            folder,
+            "adapter is a file; expected a peft folder with adapter_config.json and "
+            "adapter_model.safetensors",
+        )
     config_file, config = _adapter_config(folder)
 
     st_file = folder / "adapter_model.safetensors"
@@ -795,7 +951,9 @@ def inspect_adapter(folder: Path, base: BaseInfo, *, allow_pickle: bool = False)
         weight_file = bin_file
         tensors = _load_pickle_adapter(bin_file)
     else:
-        raise _bad(folder, "no adapter_model.safetensors (the weights file peft's save_pretrained writes)")
+        raise _bad(
+            folder, "no adapter_model.safetensors (the weights file peft's save_pretrained writes)"
+        )
     if not tensors:
         raise _bad(weight_file, "holds no tensors")
 
@@ -806,9 +964,10 @@ def inspect_adapter(folder: Path, base: BaseInfo, *, allow_pickle: bool = False)
     checker.check_modules(uses_dora)
     if checker.problems:
         key, reason = checker.problems[0]
+        bad_keys = len({k for k, _ in checker.problems})
         raise _bad(
             weight_file,
-            f"{len(checker.problems)} of {len(tensors)} adapter tensor(s) do not apply to base "
+            f"{bad_keys} of {len(tensors)} adapter tensor(s) do not apply to base "
             f"'{base.source}'; first: {key}: {reason}",
         )
 

@@ -123,6 +123,11 @@ def _resolve_path(value: str, info: ValidationInfo) -> Path:
 class Base(_Strict):
     path: StrictStr = Field(description="Local Hugging Face folder (relative to the manifest) or a hub id")
     revision: StrictStr | None = Field(default=None, description="Hub revision (hub ids only)")
+    tokenizer: StrictStr | None = Field(
+        default=None,
+        description="Hub id the Swift client loads the tokenizer from (written as co.huggingface.exporters.name); "
+        "default: `path` when it is a hub id, else the base's _name_or_path or folder name",
+    )
 
     @field_validator("path")
     @classmethod

@@ -112,6 +112,8 @@ def hf_name(checked: CheckedInputs) -> str:
     """The name the Swift client uses to look up the tokenizer (``co.huggingface.exporters.name``)."""
     from .manifest import looks_like_hub_id
 
+    if checked.manifest.base.tokenizer:
+        return checked.manifest.base.tokenizer
     source = checked.manifest.base.path
     if looks_like_hub_id(source) and not (checked.manifest.folder / source).exists():
         return source
