@@ -31,8 +31,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True)
+# CI logs are not terminals; rich would wrap tables at 80 columns there.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 log = logging.getLogger("adapterpack")
 
 
@@ -62,6 +63,8 @@ def error_boundary() -> Iterator[None]:
     except AdapterpackError as error:
         if _debug():
             raise
+        if getattr(error, "report", None) is not None:
+            out.print(verify_table(error.report))
         err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         raise typer.Exit(error.exit_code) from None
     except KeyboardInterrupt:
@@ -128,6 +131,22 @@ def _human(size: int) -> str:
     return f"{value:.1f} GB"
 
 
+def verify_table(report) -> Table:
+    """The per-function checklist of a verification."""
+    table = Table(title=f"verify {report.package.name} ({report.backend} backend)", title_justify="left")
+    for column in ("function", "compression", "cosine", "max |err|", "top-1", "KL", "retention", "result"):
+        table.add_column(column, justify="right" if column not in ("function", "compression", "result") else "left")
+    for f in report.functions:
+        kept = "-" if f.retention is None else f"{f.retention:.0%}"
+        result = "[green]pass[/]" if f.passed else "[red]FAIL[/]: " + "; ".join(f.failures)
+        table.add_row(
+            f.name, f.compression, f"{f.cosine:.5f}", f"{f.max_abs_error:.3g}", f"{f.top1:.1%}", f"{f.kl:.2e}", kept, result
+        )
+    for problem in report.integrity:
+        table.add_row("(package)", "", "", "", "", "", "", f"[red]FAIL[/]: {problem}")
+    return table
+
+
 ManifestArg = Annotated[Path, typer.Argument(help="Manifest YAML, e.g. manifests/demo.yaml", show_default=False)]
 
 
@@ -141,9 +160,11 @@ def build(
     allow_pickle: Annotated[
         bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")
     ] = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verifying every function against PyTorch")] = False,
+    backend: Annotated[str, typer.Option("--backend", help="Verification backend: numpy (any OS) or coreml (macOS)")] = "numpy",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
 ) -> None:
-    """Build one multifunction .mlpackage from a manifest.
+    """Build one multifunction .mlpackage from a manifest, then verify it (exit 3 if it does not match).
 
     Example: adapterpack build manifests/demo.yaml -o build/demo.mlpackage --force
     """
@@ -151,7 +172,16 @@ def build(
     with error_boundary():
         from .pipeline import build as run_build
 
-        result = run_build(manifest, output=output, force=force, allow_pickle=allow_pickle, reporter=ConsoleReporter(quiet))
+        _check_backend(backend)
+        result = run_build(
+            manifest,
+            output=output,
+            force=force,
+            allow_pickle=allow_pickle,
+            reporter=ConsoleReporter(quiet),
+            verify=not no_verify,
+            backend=backend,
+        )
         table = Table(title=f"{result.output}", title_justify="left")
         for column in ("function", "adapter", "lora", "compression", "alone"):
             table.add_column(column)
@@ -171,6 +201,52 @@ def build(
             f"in {result.seconds:.0f} s",
             highlight=False,
         )
+        if result.verify_report is not None:
+            out.print(verify_table(result.verify_report))
+            out.print(result.verify_report.verdict(), highlight=False)
+
+
+def _check_backend(backend: str) -> None:
+    from .errors import BadInput
+
+    if backend not in ("numpy", "coreml"):
+        raise BadInput(f"--backend {backend!r}: choose numpy or coreml")
+    if backend == "coreml" and sys.platform != "darwin":
+        raise BadInput("--backend coreml needs macOS (the Core ML runtime); use the default numpy backend here")
+
+
+@app.command()
+def verify(
+    package: Annotated[Path, typer.Argument(help="The .mlpackage to check", show_default=False)],
+    manifest: Annotated[Path, typer.Option("--manifest", "-m", help="The manifest the package was built from")],
+    backend: Annotated[str, typer.Option("--backend", help="numpy (any OS, default) or coreml (macOS only)")] = "numpy",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
+) -> None:
+    """Check every function numerically against the PyTorch reference (peft, unmerged, float32).
+
+    Example: adapterpack verify build/demo.mlpackage --manifest manifests/demo.yaml
+    """
+    _configure_logging(quiet=True)
+    with error_boundary():
+        from .errors import VerificationFailed
+        from .manifest import load_manifest
+        from .verify import verify_package
+
+        _check_backend(backend)
+        loaded = load_manifest(manifest)
+        if not package.exists():
+            from .errors import BadInput
+
+            raise BadInput(f"{package}: package not found")
+        report = verify_package(package, loaded, backend=backend)
+        if as_json:
+            print(json.dumps(report.as_json(), indent=2))
+        else:
+            out.print(verify_table(report))
+        if not report.passed:
+            raise VerificationFailed(report.verdict())
+        if not as_json:
+            out.print(report.verdict(), highlight=False)
 
 
 @app.command()

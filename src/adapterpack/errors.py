@@ -22,6 +22,11 @@ class VerificationFailed(AdapterpackError):
     """A built function does not match its PyTorch reference (exit 3)."""
 
     exit_code = 3
+    report = None  # the verify.VerifyReport, for printing the table
+
+    def with_report(self, report) -> "VerificationFailed":
+        self.report = report
+        return self
 
 
 class OutOfResources(AdapterpackError):

@@ -445,8 +445,9 @@ def _arg_reduction(fn: Callable[..., np.ndarray]) -> Handler:
     return run
 
 
-_register("reduce_argmax", "x axis keep_dims")(_arg_reduction(np.argmax))
-_register("reduce_argmin", "x axis keep_dims")(_arg_reduction(np.argmin))
+# ``output_dtype`` (iOS17+) is honoured through the declared output type.
+_register("reduce_argmax", "x axis keep_dims output_dtype")(_arg_reduction(np.argmax))
+_register("reduce_argmin", "x axis keep_dims output_dtype")(_arg_reduction(np.argmin))
 
 
 # --------------------------------------------------------------------------- normalization
@@ -494,13 +495,12 @@ def _instance_norm(a: Args) -> np.ndarray:
     return y
 
 
-@_register("l2_norm", "x axes epsilon")
+@_register("l2_norm", "x epsilon")
 def _l2_norm(a: Args) -> np.ndarray:
     x = _f32(a["x"])
-    # MIL normalizes over the trailing ``axes`` dims (all but the batch dim when omitted).
-    axes = _axes(a.get("axes"), x.ndim) or tuple(range(1, x.ndim))
-    norm = np.sqrt(np.maximum(np.sum(x * x, axis=axes, keepdims=True), _eps(a, 1e-6)))
-    return x / norm
+    # MIL normalizes over the last three dims; leading dims are batch.
+    axes = tuple(range(x.ndim - 3, x.ndim))
+    return x / np.sqrt(np.sum(x * x, axis=axes, keepdims=True) + _eps(a, 1e-6))
 
 
 # --------------------------------------------------------------------------- shape manipulation
@@ -710,14 +710,18 @@ def _argsort(a: Args) -> np.ndarray:
     return np.argsort(key, axis=axis, kind="stable").astype(np.int32)
 
 
-@_register("topk", "x k axis ascending sort return_indices")
-def _topk(a: Args) -> tuple[np.ndarray, np.ndarray]:
+@_register("topk", "x k axis ascending sort return_indices output_indices_dtype")
+def _topk(a: Args) -> tuple[np.ndarray, np.ndarray] | np.ndarray:
+    # Results are always sorted (a valid order when ``sort`` is False too).
     x = np.asarray(a["x"])
     axis = _axis(_int(a.get("axis"), -1), x.ndim)
     k = _int(a.get("k"), 1)
     key = _f32(x) if _bool(a.get("ascending")) else -_f32(x)
     idx = np.take(np.argsort(key, axis=axis, kind="stable"), np.arange(k), axis=axis)
-    return np.take_along_axis(x, idx, axis=axis), idx.astype(np.int32)
+    values = np.take_along_axis(x, idx, axis=axis)
+    if not _bool(a.get("return_indices"), True):
+        return values
+    return values, idx.astype(np.int32)
 
 
 @_register("non_zero", "x")

@@ -157,6 +157,37 @@ class Export(_Strict):
     deployment_target: Literal[DEPLOYMENT_TARGETS] = "iOS18"  # type: ignore[valid-type]
 
 
+# Verification thresholds by compression method, measured on the demo package (see README):
+# float16 must match closely; compressed weights move logits, so top-1 and cosine are looser, but
+# an adapter's effect must still survive (retention: share of the adapter's logit change kept).
+DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
+    "none": {"top1": 0.99, "cosine": 0.999, "retention": 0.9},
+    "palettize": {"top1": 0.80, "cosine": 0.98, "retention": 0.5},
+    "linear": {"top1": 0.85, "cosine": 0.99, "retention": 0.5},
+    "prune": {"top1": 0.50, "cosine": 0.90, "retention": 0.3},
+}
+
+
+class VerifySettings(_Strict):
+    """How ``verify`` exercises each function, and what it accepts (unset: method defaults)."""
+
+    prefill: StrictInt = Field(default=8, ge=1, description="Tokens in the first (prefill) call")
+    decode_steps: StrictInt = Field(default=8, ge=0, description="Single-token calls after the prefill")
+    seed: StrictInt = Field(default=0, description="Seed of the token sequence")
+    min_top1: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1, description="Top-1 agreement")
+    min_cosine: StrictFloat | StrictInt | None = Field(default=None, ge=-1, le=1, description="Mean logit cosine")
+    min_retention: StrictFloat | StrictInt | None = Field(
+        default=None, description="Share of the adapter's effect on the logits that must survive"
+    )
+
+    def thresholds_for(self, method: str) -> dict[str, float]:
+        values = dict(DEFAULT_THRESHOLDS[method])
+        for key, given in (("top1", self.min_top1), ("cosine", self.min_cosine), ("retention", self.min_retention)):
+            if given is not None:
+                values[key] = float(given)
+        return values
+
+
 class Manifest(_Strict):
     """A validated manifest. Paths are absolute; per-function compression is resolved."""
 
@@ -170,6 +201,7 @@ class Manifest(_Strict):
     lora: Literal["fuse", "keep"] = "fuse"
     export: Export = Export()
     compression: Compression = Compression()
+    verify: VerifySettings = VerifySettings()
     output: StrictStr | None = Field(default=None, description="Output .mlpackage (default build/<name>.mlpackage)")
 
     # Set by load_manifest; not part of the YAML format.

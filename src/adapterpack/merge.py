@@ -46,7 +46,24 @@ def merge_functions(
         model.author = "adapterpack"
         model.save(str(destination))
     shutil.rmtree(merged, ignore_errors=True)
+    record_weights_digest(destination)
     return destination
+
+
+def record_weights_digest(package: Path) -> None:
+    """Write the weight blob's sha256 into the package's metadata, so verify can tell an altered blob.
+
+    Only the model spec file is rewritten (the blob itself is untouched, so the digest stays true).
+    """
+    from coremltools.proto import Model_pb2
+
+    from .verify import weights_digest
+
+    spec_file = package / "Data" / "com.apple.CoreML" / "model.mlmodel"
+    spec = Model_pb2.Model()
+    spec.ParseFromString(spec_file.read_bytes())
+    spec.description.metadata.userDefined[METADATA_PREFIX + "weightsSha256"] = weights_digest(package)
+    spec_file.write_bytes(spec.SerializeToString())
 
 
 def package_metadata(

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator
+from typing import ContextManager, Iterator
 
 from .errors import BadInput, OutputExists
 from .families import check_family
@@ -69,6 +67,7 @@ class BuildResult:
     part_sizes: dict[str, int] = field(default_factory=dict)
     package_size: int = 0
     seconds: float = 0.0
+    verify_report: object | None = None  # verify.VerifyReport when verification ran
 
 
 @dataclass(frozen=True)
@@ -130,12 +129,13 @@ def build(
     force: bool = False,
     allow_pickle: bool = False,
     reporter: Reporter | None = None,
-    after_merge: Callable[[Path, CheckedInputs], None] | None = None,
+    verify: bool = True,
+    backend: str = "numpy",
 ) -> BuildResult:
     """Build the package a manifest describes; returns where it went and what it holds.
 
-    ``after_merge`` runs on the merged package while it is still in staging (verification): if it
-    raises, nothing is moved into place and any previous output is left untouched.
+    Verification runs on the merged package while it is still in staging: if it fails
+    (VerificationFailed, exit 3), nothing is moved into place and a previous output is untouched.
     """
     reporter = reporter or Reporter()
     started = time.perf_counter()
@@ -150,8 +150,15 @@ def build(
         merged = staging.folder / destination.name
         with reporter.stage("merge functions"):
             _merge(checked, records, {r.name: staging.folder / "parts" / f"{r.name}.mlpackage" for r in records}, merged)
-        if after_merge is not None:
-            after_merge(merged, checked)
+        report = None
+        if verify:
+            from .errors import VerificationFailed
+            from .verify import verify_package
+
+            with reporter.stage(f"verify {len(records)} function(s) ({backend})"):
+                report = verify_package(merged, manifest, backend=backend, checked=checked)
+            if not report.passed:
+                raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
         staging.commit(merged)
 
     return BuildResult(
@@ -162,6 +169,7 @@ def build(
         part_sizes=part_sizes,
         package_size=folder_size(destination),
         seconds=time.perf_counter() - started,
+        verify_report=report,
     )
 
 

@@ -1,0 +1,293 @@
+"""Verify every function of a package against its PyTorch reference.
+
+The reference is the float32 base with the adapter applied by peft and NOT merged: the model the
+adapter's author trained. Each function runs a seeded prefill, then single-token decode steps
+through its ``keyCache``/``valueCache`` state, on the numpy ML Program executor (any OS) or on
+Core ML itself (macOS). Per function: logit cosine, max abs error, top-1 agreement, KL divergence,
+and for adapter functions how much of the adapter's effect survived compression (retention).
+Every failure is collected; the caller gets one report and one verdict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from .errors import BadInput, VerificationFailed
+from .manifest import Manifest, VerifySettings
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["numpy", "coreml"]
+
+
+@dataclass
+class FunctionReport:
+    name: str
+    compression: str
+    cosine: float
+    max_abs_error: float
+    top1: float
+    kl: float
+    retention: float | None  # None for the base function
+    adapter_effect: float | None  # relative size of the adapter's effect on the logits
+    thresholds: dict[str, float]
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class VerifyReport:
+    package: Path
+    backend: str
+    functions: list[FunctionReport]
+    integrity: list[str] = field(default_factory=list)  # problems found without running anything
+
+    @property
+    def passed(self) -> bool:
+        return not self.integrity and all(f.passed for f in self.functions)
+
+    def verdict(self) -> str:
+        failed = [f.name for f in self.functions if not f.passed]
+        if self.passed:
+            return f"verify: PASS: {len(self.functions)} function(s) match their PyTorch reference ({self.backend} backend)"
+        reasons = list(self.integrity) + [f"{f.name}: {'; '.join(f.failures)}" for f in self.functions if not f.passed]
+        return f"verify: FAIL: {', '.join(failed) or 'package'}: " + " | ".join(reasons)
+
+    def as_json(self) -> dict:
+        return {
+            "package": str(self.package),
+            "backend": self.backend,
+            "passed": self.passed,
+            "integrity": self.integrity,
+            "functions": [
+                {k: v for k, v in vars(f).items()} | {"passed": f.passed} for f in self.functions
+            ],
+        }
+
+
+# ------------------------------------------------------------------------------------- metrics
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def compare_logits(got: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+    """Cosine (mean over positions), max abs error, top-1 agreement and mean KL(ref || got)."""
+    got = got.reshape(-1, got.shape[-1]).astype(np.float64)
+    ref = reference.reshape(-1, reference.shape[-1]).astype(np.float64)
+    if not np.all(np.isfinite(got)):
+        return {"cosine": 0.0, "max_abs_error": float("inf"), "top1": 0.0, "kl": float("inf")}
+    dots = (got * ref).sum(-1)
+    norms = np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1)
+    cosine = float(np.mean(dots / np.maximum(norms, 1e-30)))
+    log_p, log_q = _log_softmax(ref), _log_softmax(got)
+    kl = float(np.mean((np.exp(log_p) * (log_p - log_q)).sum(-1)))
+    return {
+        "cosine": cosine,
+        "max_abs_error": float(np.abs(got - ref).max()),
+        "top1": float(np.mean(got.argmax(-1) == ref.argmax(-1))),
+        "kl": max(kl, 0.0),
+    }
+
+
+def retention(got: np.ndarray, adapter_ref: np.ndarray, base_ref: np.ndarray) -> tuple[float, float]:
+    """How much of the adapter's effect the package kept, and how big that effect is.
+
+    Projection of (package - base) on (adapter - base), over all positions and logits: 1.0 means
+    the full effect survived, 0.0 that compression washed it out. The second value is the
+    effect's size relative to the logits (for the report).
+    """
+    delta_ref = (adapter_ref - base_ref).astype(np.float64).ravel()
+    delta_got = (got - base_ref).astype(np.float64).ravel()
+    energy = float(delta_ref @ delta_ref)
+    effect = float(np.sqrt(energy) / max(np.linalg.norm(base_ref.astype(np.float64)), 1e-30))
+    if energy == 0.0:
+        return 1.0, 0.0
+    return float(delta_got @ delta_ref / energy), effect
+
+
+# ------------------------------------------------------------------------------------ runners
+
+
+def verification_tokens(vocab_size: int, settings: VerifySettings) -> np.ndarray:
+    """The fixed, seeded token sequence every function is checked on."""
+    rng = np.random.default_rng(settings.seed)
+    return rng.integers(0, vocab_size, size=settings.prefill + settings.decode_steps, dtype=np.int64)
+
+
+def _run_steps(predict, tokens: np.ndarray, prefill: int) -> np.ndarray:
+    """Prefill then decode one token at a time, the way swift-transformers drives the model."""
+    outputs = []
+    first = tokens[:prefill].astype(np.int32)[None, :]
+    outputs.append(predict(first, np.zeros((1, 1, 1, prefill), dtype=np.float16)))
+    for end in range(prefill + 1, len(tokens) + 1):
+        step = tokens[end - 1 : end].astype(np.int32)[None, :]
+        outputs.append(predict(step, np.zeros((1, 1, 1, end), dtype=np.float16)))
+    return np.concatenate([o.reshape(1, -1, o.shape[-1]) for o in outputs], axis=1)[0].astype(np.float32)
+
+
+def _numpy_runner(package: Path):
+    from .executor import ProgramExecutor, UnsupportedOp
+
+    try:
+        executor = ProgramExecutor.load(package)
+    except UnsupportedOp as error:
+        raise BadInput(f"{package}: {error}") from None
+
+    def run(function: str, tokens: np.ndarray, prefill: int) -> np.ndarray:
+        state = executor.make_state(function)
+
+        def predict(ids, mask):
+            return executor.predict({"inputIds": ids, "causalMask": mask}, state=state, function=function)["logits"]
+
+        return _run_steps(predict, tokens, prefill)
+
+    return run, executor.function_names
+
+
+def _coreml_runner(package: Path):
+    if sys.platform != "darwin":
+        raise BadInput("--backend coreml needs macOS (the Core ML runtime); use the default numpy backend here")
+    from .quiet import captured_output, import_coremltools
+
+    ct = import_coremltools()
+    from .functions import read_functions
+
+    names = read_functions(package).names
+
+    def run(function: str, tokens: np.ndarray, prefill: int) -> np.ndarray:
+        with captured_output():
+            model = ct.models.MLModel(str(package), function_name=function, compute_units=ct.ComputeUnit.CPU_AND_NE)
+        state = model.make_state()
+
+        def predict(ids, mask):
+            return model.predict({"inputIds": ids, "causalMask": mask}, state=state)["logits"]
+
+        return _run_steps(predict, tokens, prefill)
+
+    return run, names
+
+
+# ------------------------------------------------------------------------------------- verify
+
+
+def weights_digest(package: Path) -> str:
+    """sha256 of the package's weight blobs, in path order (recorded at build, checked here)."""
+    digest = hashlib.sha256()
+    weights = sorted((package / "Data").rglob("weights/*")) if (package / "Data").exists() else []
+    for file in weights:
+        if file.is_file():
+            digest.update(file.relative_to(package).as_posix().encode())
+            with file.open("rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_package(
+    package: str | Path,
+    manifest: Manifest,
+    *,
+    backend: Backend = "numpy",
+    checked=None,
+) -> VerifyReport:
+    """Run every function of ``package`` against its PyTorch reference; never raises on a mismatch.
+
+    ``checked`` (pipeline.CheckedInputs) avoids re-validating inputs when called from a build.
+    """
+    import torch
+
+    from .base_model import load_base
+    from .functions import read_functions
+    from .lora import applied_adapter
+    from .pipeline import check_inputs
+
+    package = Path(package)
+    listing = read_functions(package)
+    checked = checked or check_inputs(manifest)
+    manifest = checked.manifest
+    settings = manifest.verify
+    report = VerifyReport(package=package, backend=backend, functions=[])
+
+    expected = manifest.function_names
+    if sorted(listing.names) != sorted(expected):
+        report.integrity.append(
+            f"package functions {listing.names} differ from the manifest's {expected}"
+        )
+        return report
+    recorded = listing.metadata.get("co.adapterpack.weightsSha256")
+    if recorded and recorded != weights_digest(package):
+        report.integrity.append("weight blob differs from the one written at build time (file altered?)")
+
+    run, _ = _coreml_runner(package) if backend == "coreml" else _numpy_runner(package)
+    base = load_base(checked.base.folder)
+    vocab = int(base.config.vocab_size)
+    tokens = verification_tokens(vocab, settings)[: manifest.export.max_context]
+    prefill = min(settings.prefill, len(tokens))
+    ids = torch.from_numpy(tokens[None, :])
+    with torch.no_grad():
+        base_reference = base(ids).logits[0].float().numpy()
+
+    for name in expected:
+        adapter = manifest.adapter(name)
+        compression = manifest.compression_for(name)
+        thresholds = settings.thresholds_for(compression.method)
+        if adapter is None:
+            reference = base_reference
+        else:
+            folder = checked.adapters[name].folder
+            with torch.no_grad(), applied_adapter(base, folder, mode="unmerged", scale=float(adapter.scale)) as model:
+                reference = model(ids).logits[0].float().numpy()
+        got = run(name, tokens, prefill)
+        metrics = compare_logits(got, reference)
+        function_report = FunctionReport(
+            name=name,
+            compression=compression.describe(),
+            retention=None,
+            adapter_effect=None,
+            thresholds=thresholds,
+            **metrics,
+        )
+        if metrics["top1"] < thresholds["top1"]:
+            function_report.failures.append(f"top-1 {metrics['top1']:.1%} < {thresholds['top1']:.1%}")
+        if metrics["cosine"] < thresholds["cosine"]:
+            function_report.failures.append(f"cosine {metrics['cosine']:.4f} < {thresholds['cosine']}")
+        if adapter is not None:
+            kept, effect = retention(got, reference, base_reference)
+            function_report.retention, function_report.adapter_effect = kept, effect
+            if kept < thresholds["retention"]:
+                remedy = (
+                    "keep the adapter unfused (lora: keep) or use more bits for its target modules"
+                    if manifest.lora_mode(name) == "fuse"
+                    else "use more bits for this function's compression"
+                )
+                function_report.failures.append(
+                    f"adapter not retained: {kept:.0%} of its effect survived compression "
+                    f"(< {thresholds['retention']:.0%}); {remedy}"
+                )
+        report.functions.append(function_report)
+    del base
+    return report
+
+
+def verify(package: str | Path, manifest: Manifest, *, backend: Backend = "numpy", checked=None) -> VerifyReport:
+    """``verify_package`` that raises VerificationFailed (exit 3) with the verdict on failure."""
+    report = verify_package(package, manifest, backend=backend, checked=checked)
+    if not report.passed:
+        raise VerificationFailed(report.verdict()).with_report(report)
+    return report
