@@ -13,9 +13,11 @@ numpy-2 scalars that some reductions reject. The program's declared types are st
 op's result is cast to the dtype its output var declares, so a float16 program is evaluated in
 float16 the way Core ML would run it (see ``_f32`` for where we deliberately widen).
 
-Loading compiles each function once (lazily, on first use): everything that depends only on
-constants -- ``const``, the ``constexpr_*`` decompression ops and whatever is computed from them
--- is folded at that point, so repeated ``predict`` calls only run the input-dependent ops.
+Loading checks that every op of every function is supported (``UnsupportedOp`` otherwise, naming
+the op type and the function). Each function is then compiled once, on first use: everything
+that depends only on constants -- ``const``, the ``constexpr_*`` decompression ops and whatever
+is computed from them -- is evaluated at that point, so repeated ``predict`` calls only run the
+input-dependent ops.
 """
 
 from __future__ import annotations
@@ -102,10 +104,10 @@ def _f32(x: np.ndarray) -> np.ndarray:
     Precision model: elementwise arithmetic runs in the declared dtype (numpy's float16 ufuncs
     round every result to float16, as Core ML's fp16 units do). Ops with an internal reduction
     or a multi-step formula (matmul/linear, softmax, norms, reductions, composite activations)
-    are computed in float32 and rounded once to the declared output dtype: Core ML executes
-    float16 programs with float32 accumulation on the CPU and GPU, and the ANE accumulates
-    matmuls in wider precision too. Rounding per op therefore tracks what a device computes
-    much more closely than a float32 evaluation of the whole program would.
+    are computed in float32 and rounded once to the declared output dtype, because Core ML
+    runs float16 programs with float32 accumulation on most compute units. Rounding per op
+    tracks what a device computes much more closely than a float32 evaluation of the whole
+    program would, while float16 accumulation would be needlessly pessimistic.
     """
     x = np.asarray(x)
     return x.astype(np.float32) if x.dtype == np.float16 else x
@@ -1014,6 +1016,25 @@ def _const_value(var: Any) -> Any:
     return arr.astype(dtype) if dtype is not None and arr.dtype != dtype else arr
 
 
+def _label(op: Any) -> str:
+    return op.outputs[0].name if op.outputs else op.name
+
+
+def _check_supported(op: Any, function: str) -> None:
+    """Raise ``UnsupportedOp`` for an op (or op parameter) the interpreter cannot run."""
+    where = f"op type {op.op_type!r} ({_label(op)!r}) in function {function!r}"
+    if op.blocks:
+        raise UnsupportedOp(f"{where}: control flow is not supported by the numpy executor")
+    if op.op_type == "const" or op.op_type in _STATE_OPS:
+        return
+    impl = _OPS.get(op.op_type)
+    if impl is None:
+        raise UnsupportedOp(f"{where} is not supported by the numpy executor")
+    unknown = set(op.inputs) - impl.params
+    if unknown:
+        raise UnsupportedOp(f"{where} has parameters {sorted(unknown)} the numpy executor does not interpret")
+
+
 class ProgramExecutor:
     """numpy interpreter for the ML Program functions of one ``.mlpackage``."""
 
@@ -1024,6 +1045,11 @@ class ProgramExecutor:
             default_function = "main" if "main" in names else names[0]
         self._default = default_function
         self._compiled: dict[str, _Compiled] = {}
+        # Fail at load time, before any work: callers decide up front whether this package can
+        # be checked here at all.
+        for name, func in program.functions.items():
+            for op in func.operations:
+                _check_supported(op, name)
 
     @classmethod
     def load(cls, package_path: str | Path) -> "ProgramExecutor":
@@ -1094,7 +1120,11 @@ class ProgramExecutor:
                 raise KeyError(f"function {name!r} needs input {spec.name!r}")
             env[spec.slot] = self._check_input(name, spec, inputs[spec.name])
 
-        live: dict[str, np.ndarray] = {k: state[k] for k in compiled.states}
+        live: dict[str, np.ndarray] = {}
+        for key, (shape, dtype) in compiled.states.items():
+            live[key] = np.asarray(state[key]).astype(dtype, copy=False)
+            if live[key].shape != shape:
+                raise ValueError(f"state {key!r} of function {name!r} has shape {live[key].shape}, expected {shape}")
         written: set[str] = set()
         for step in compiled.steps:
             if step.kind == _READ:
@@ -1184,11 +1214,8 @@ class ProgramExecutor:
 
         steps: list[_Step] = []
         for op in func.operations:
-            label = op.outputs[0].name if op.outputs else op.name
-            if op.blocks:
-                raise UnsupportedOp(
-                    f"op type {op.op_type!r} ({label!r}) in function {name!r}: control flow is not supported"
-                )
+            label = _label(op)
+            _check_supported(op, name)
             if op.op_type == "const":
                 slot = slot_of(op.outputs[0])
                 env[slot] = _const_value(op.outputs[0])
@@ -1205,17 +1232,7 @@ class ProgramExecutor:
                 kind = _READ if op.op_type == "read_state" else _WRITE
                 steps.append(_Step(kind, op.op_type, label, None, args, (slot_of(op.outputs[0]),), (None,), state_name))
                 continue
-            impl = _OPS.get(op.op_type)
-            if impl is None:
-                raise UnsupportedOp(
-                    f"op type {op.op_type!r} ({label!r}) in function {name!r} is not supported by the numpy executor"
-                )
-            unknown = set(op.inputs) - impl.params
-            if unknown:
-                raise UnsupportedOp(
-                    f"op type {op.op_type!r} ({label!r}) in function {name!r} has parameters "
-                    f"{sorted(unknown)} the numpy executor does not interpret"
-                )
+            impl = _OPS[op.op_type]
             arg_list: list[tuple[str, Any]] = []
             for param, value in op.inputs.items():
                 if isinstance(value, (list, tuple)):

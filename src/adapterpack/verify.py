@@ -26,6 +26,8 @@ from .manifest import Manifest, VerifySettings
 log = logging.getLogger(__name__)
 
 Backend = Literal["numpy", "coreml"]
+# float16 has an 11-bit significand: logits closer than ~1e-3 of their magnitude are a tie.
+TOP1_TIE_TOLERANCE = 1e-3
 
 
 @dataclass
@@ -97,10 +99,16 @@ def compare_logits(got: np.ndarray, reference: np.ndarray) -> dict[str, float]:
     cosine = float(np.mean(dots / np.maximum(norms, 1e-30)))
     log_p, log_q = _log_softmax(ref), _log_softmax(got)
     kl = float(np.mean((np.exp(log_p) * (log_p - log_q)).sum(-1)))
+    # A position agrees when the package's top token is also the reference's top token to within
+    # float16 resolution of the logits: a near-tie (common in small random models) that float16
+    # cannot order is not a disagreement.
+    rows = np.arange(len(ref))
+    resolution = TOP1_TIE_TOLERANCE * np.abs(ref).max(axis=-1)
+    agrees = ref[rows, got.argmax(-1)] >= ref.max(axis=-1) - resolution
     return {
         "cosine": cosine,
         "max_abs_error": float(np.abs(got - ref).max()),
-        "top1": float(np.mean(got.argmax(-1) == ref.argmax(-1))),
+        "top1": float(np.mean(agrees)),
         "kl": max(kl, 0.0),
     }
 
