@@ -159,7 +159,8 @@ class Export(_Strict):
 
 # Verification thresholds by compression method, measured on the demo package (see README):
 # float16 must match closely; compressed weights move logits, so top-1 and cosine are looser, but
-# an adapter's effect must still survive (retention: share of the adapter's logit change kept).
+# an adapter's effect must still survive (retention: cosine between the package's and the
+# adapter's change of the logits from the base).
 DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     "none": {"top1": 0.99, "cosine": 0.999, "retention": 0.9},
     "palettize": {"top1": 0.80, "cosine": 0.98, "retention": 0.5},

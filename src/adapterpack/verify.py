@@ -116,17 +116,22 @@ def compare_logits(got: np.ndarray, reference: np.ndarray) -> dict[str, float]:
 def retention(got: np.ndarray, adapter_ref: np.ndarray, base_ref: np.ndarray) -> tuple[float, float]:
     """How much of the adapter's effect the package kept, and how big that effect is.
 
-    Projection of (package - base) on (adapter - base), over all positions and logits: 1.0 means
-    the full effect survived, 0.0 that compression washed it out. The second value is the
-    effect's size relative to the logits (for the report).
+    Retention is the cosine between the package's change from the base reference and the
+    adapter's change (both over all positions and logits): near 1 when the adapter's effect
+    survived, near 0 when compression washed it out and only compression noise is left (noise is
+    uncorrelated with the adapter's change). The second value is the effect's size relative to
+    the base logits.
     """
     delta_ref = (adapter_ref - base_ref).astype(np.float64).ravel()
     delta_got = (got - base_ref).astype(np.float64).ravel()
-    energy = float(delta_ref @ delta_ref)
-    effect = float(np.sqrt(energy) / max(np.linalg.norm(base_ref.astype(np.float64)), 1e-30))
-    if energy == 0.0:
+    ref_norm = float(np.linalg.norm(delta_ref))
+    effect = ref_norm / max(float(np.linalg.norm(base_ref.astype(np.float64))), 1e-30)
+    if ref_norm == 0.0:  # an adapter with no effect has nothing to lose
         return 1.0, 0.0
-    return float(delta_got @ delta_ref / energy), effect
+    got_norm = float(np.linalg.norm(delta_got))
+    if got_norm == 0.0:
+        return 0.0, effect
+    return float(delta_got @ delta_ref / (got_norm * ref_norm)), effect
 
 
 # ------------------------------------------------------------------------------------ runners
@@ -242,7 +247,13 @@ def verify_package(
     if recorded and recorded != weights_digest(package):
         report.integrity.append("weight blob differs from the one written at build time (file altered?)")
 
-    run, _ = _coreml_runner(package) if backend == "coreml" else _numpy_runner(package)
+    try:
+        run, _ = _coreml_runner(package) if backend == "coreml" else _numpy_runner(package)
+    except BadInput:
+        raise
+    except Exception as error:  # a damaged package fails verification rather than crashing it
+        report.integrity.append(f"package cannot be loaded: {type(error).__name__}: {error}")
+        return report
     base = load_base(checked.base.folder)
     vocab = int(base.config.vocab_size)
     tokens = verification_tokens(vocab, settings)[: manifest.export.max_context]
@@ -285,8 +296,8 @@ def verify_package(
                     else "use more bits for this function's compression"
                 )
                 function_report.failures.append(
-                    f"adapter not retained: {kept:.0%} of its effect survived compression "
-                    f"(< {thresholds['retention']:.0%}); {remedy}"
+                    f"adapter not retained: retention {kept:.2f} < {thresholds['retention']} (compression "
+                    f"washed out the adapter's effect); {remedy}"
                 )
         report.functions.append(function_report)
     del base

@@ -1,0 +1,160 @@
+"""verify: passes a good package, fails an altered one with exit 3, and detects washed-out adapters."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adapterpack.manifest import load_manifest
+from adapterpack.pipeline import build
+from adapterpack.verify import compare_logits, retention, verify_package
+from factories import make_adapter, make_base
+
+CLI = [sys.executable, "-m", "adapterpack"]
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def float16_package(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    make_base(root / "base", "qwen2")
+    make_adapter(root / "chat", root / "base", std=0.1, targets=("q_proj", "v_proj", "down_proj"))
+    (root / "m.yaml").write_text(
+        textwrap.dedent(
+            """\
+            name: v
+            base: {path: base}
+            adapters: [{name: chat, path: chat}]
+            include_base: base
+            export: {max_context: 32}
+            compression: {method: none}
+            """
+        )
+    )
+    result = build(root / "m.yaml", output=root / "v.mlpackage", verify=False)
+    return root, result.output
+
+
+def test_verify_cli_passes_good_package(float16_package):
+    root, package = float16_package
+    result = run("verify", package, "--manifest", root / "m.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"] and [f["name"] for f in report["functions"]] == ["chat", "base"]
+    chat = report["functions"][0]
+    assert chat["top1"] >= 0.99 and chat["cosine"] >= 0.999 and chat["retention"] > 0.99
+
+
+def _weight_regions(blob: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of each tensor's data in a Core ML weight.bin (64-byte aligned records:
+    sentinel 0xDEADBEEF, dtype, size, offset), so tests change values and keep the file valid."""
+    regions, position = [], 64
+    while position + 24 <= len(blob):
+        sentinel, _dtype, size, offset = np.frombuffer(blob[position : position + 24], dtype="<u4,<u4,<u8,<u8")[0]
+        if sentinel != 0xDEADBEEF:
+            break
+        regions.append((int(offset), int(size)))
+        position = (int(offset) + int(size) + 63) // 64 * 64
+    return regions
+
+
+def _alter_weights(package: Path, destination: Path, how: str) -> Path:
+    shutil.copytree(package, destination)
+    blob = next(destination.rglob("weight.bin"))
+    data = bytearray(blob.read_bytes())
+    regions = _weight_regions(bytes(data))
+    assert len(regions) > 10
+    rng = np.random.default_rng(0)
+    for offset, size in regions:
+        values = np.frombuffer(bytes(data[offset : offset + size]), dtype=np.float16).copy()
+        if how == "scale":  # every weight 1.5x larger
+            values = (values.astype(np.float32) * 1.5).astype(np.float16)
+        elif how == "noise":  # a few percent of the weights perturbed
+            idx = rng.choice(len(values), size=max(1, len(values) // 20), replace=False)
+            values[idx] = (values[idx].astype(np.float32) + rng.normal(0, 0.2, len(idx))).astype(np.float16)
+        data[offset : offset + size] = values.tobytes()
+    blob.write_bytes(bytes(data))
+    return destination
+
+
+@pytest.mark.parametrize("how", ["scale", "noise"])
+def test_altered_weight_blob_fails_with_exit_3(float16_package, tmp_path, how):
+    root, package = float16_package
+    altered = _alter_weights(package, tmp_path / "altered.mlpackage", how)
+    result = run("verify", altered, "--manifest", root / "m.yaml")
+    assert result.returncode == 3, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert "FAIL" in result.stderr
+
+
+def test_altered_weights_fail_numerically_without_the_digest(float16_package, tmp_path):
+    """The numeric check alone catches altered values (the digest is a second, independent line)."""
+    root, package = float16_package
+    altered = _alter_weights(package, tmp_path / "altered.mlpackage", "noise")
+    report = verify_package(altered, load_manifest(root / "m.yaml"))
+    assert report.integrity, "the recorded digest must notice the change"
+    report.integrity.clear()
+    assert not report.passed
+    assert any(f.failures for f in report.functions)
+
+
+def test_coreml_backend_refused_off_macos(float16_package):
+    if sys.platform == "darwin":
+        pytest.skip("Core ML is available here")
+    root, package = float16_package
+    result = run("verify", package, "--manifest", root / "m.yaml", "--backend", "coreml")
+    assert result.returncode == 2
+    assert "needs macOS" in result.stderr
+
+
+def test_washed_out_adapter_is_reported(tmp_path):
+    """A fused adapter whose delta is far below the 4-bit palette step does not survive; a strong one does."""
+    make_base(tmp_path / "base", "llama", hidden_size=128, intermediate_size=256)
+    make_adapter(tmp_path / "faint", tmp_path / "base", std=0.004, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    make_adapter(tmp_path / "strong", tmp_path / "base", std=0.15, seed=3, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    (tmp_path / "m.yaml").write_text(
+        textwrap.dedent(
+            """\
+            name: w
+            base: {path: base}
+            adapters: [{name: faint, path: faint}, {name: strong, path: strong}]
+            export: {max_context: 32}
+            compression: {method: palettize, nbits: 4, keep_float16: []}
+            """
+        )
+    )
+    result = build(tmp_path / "m.yaml", output=tmp_path / "w.mlpackage", verify=False)
+    report = verify_package(result.output, load_manifest(tmp_path / "m.yaml"))
+    by_name = {f.name: f for f in report.functions}
+    faint, strong = by_name["faint"], by_name["strong"]
+    assert faint.retention < 0.5, faint
+    assert any("not retained" in failure and "lora: keep" in failure for failure in faint.failures)
+    assert strong.retention > 0.5, strong
+    assert not any("not retained" in failure for failure in strong.failures)
+
+
+def test_metrics_against_known_values():
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=(5, 20))
+    same = compare_logits(reference, reference)
+    assert same["cosine"] == pytest.approx(1.0) and same["top1"] == 1.0 and same["kl"] == pytest.approx(0.0, abs=1e-12)
+    flipped = compare_logits(-reference, reference)
+    assert flipped["cosine"] == pytest.approx(-1.0) and flipped["top1"] == 0.0 and flipped["kl"] > 1
+    base = rng.normal(size=(5, 20))
+    adapter = base + rng.normal(size=(5, 20))
+    assert retention(adapter, adapter, base)[0] == pytest.approx(1.0)
+    assert retention(base, adapter, base)[0] == 0.0
+    assert abs(retention(base + rng.normal(size=(5, 20)), adapter, base)[0]) < 0.5
