@@ -3,12 +3,17 @@
 Palettization goes through coremltools' ``custom`` mode with adapterpack's own deterministic 1-D
 k-means (``palettize.py``): coremltools' k-means switches to scikit-learn for small groups (slow,
 and not guaranteed to give identical tables for identical weights), and identical base weights
-must compress identically to stay shared after the merge.
+must compress identically to stay shared after the merge. Palettes are memoized by content hash,
+so a base weight shared by N functions is clustered once per build, not N times.
+
+In ``lora: keep`` functions the LoRA A/B matrices are compressed separately from the base weights
+(default: left float16, since they are small and carry the whole adapter).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import logging
 
 import numpy as np
@@ -22,7 +27,27 @@ log = logging.getLogger(__name__)
 # Constants that are never compressed whatever the manifest says: rope tables feed sin/cos
 # positions (errors here shift every token), and tiny tensors gain nothing.
 ALWAYS_FLOAT16 = ("rope_cos", "rope_sin")
+# Name fragments of peft's low-rank matrices once traced (``..._lora_A_default_weight``).
+LORA_PATTERNS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 WEIGHT_THRESHOLD = 2048
+
+_palette_memo: dict[tuple[bytes, int, str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
+_MEMO_LIMIT_BYTES = 2 << 30
+
+
+def _memoized_palette(group: np.ndarray, nbits: int) -> tuple[np.ndarray, np.ndarray]:
+    key = (hashlib.blake2b(group.tobytes(), digest_size=16).digest(), nbits, str(group.dtype), group.shape)
+    found = _palette_memo.get(key)
+    if found is None:
+        found = palettize_group(group, nbits)
+        if sum(v[1].nbytes for v in _palette_memo.values()) < _MEMO_LIMIT_BYTES:
+            _palette_memo[key] = found
+    return found[0].copy(), found[1].copy()
+
+
+def clear_palette_memo() -> None:
+    """Forget memoized palettes (end of a build)."""
+    _palette_memo.clear()
 
 
 def _matches(const_name: str, patterns: tuple[str, ...]) -> bool:
@@ -38,61 +63,74 @@ def _matches(const_name: str, patterns: tuple[str, ...]) -> bool:
 
 def weight_names(mlmodel) -> list[str]:
     """Names of the weight constants large enough to be compressed."""
-    ct = import_coremltools()
+    import_coremltools()
     from coremltools.optimize.coreml import get_weights_metadata
 
     with captured_output():
         metadata = get_weights_metadata(mlmodel, weight_threshold=WEIGHT_THRESHOLD)
-    del ct
     return list(metadata)
 
 
-def compress_model(mlmodel, compression: Compression):
-    """Return ``mlmodel`` compressed as ``compression`` says (the same object for ``none``)."""
-    if compression.method == "none":
-        return mlmodel
-    ct = import_coremltools()
+def _op_config(compression: Compression):
     from coremltools.optimize import coreml as cto
 
     if compression.method == "palettize":
         nbits = compression.nbits
 
         def lut_function(group: np.ndarray):
-            return palettize_group(group, nbits)
+            return _memoized_palette(group, nbits)
 
-        op_config = cto.OpPalettizerConfig(
+        config = cto.OpPalettizerConfig(
             mode="custom",
             lut_function=lut_function,
             granularity=compression.granularity,
             group_size=compression.group_size or 0,
             weight_threshold=WEIGHT_THRESHOLD,
         )
-        apply = cto.palettize_weights
-    elif compression.method == "linear":
-        op_config = cto.OpLinearQuantizerConfig(
+        return config, cto.palettize_weights
+    if compression.method == "linear":
+        config = cto.OpLinearQuantizerConfig(
             mode="linear_symmetric",
             dtype="int4" if compression.nbits == 4 else "int8",
             granularity=compression.granularity,
             block_size=compression.block_size or 32,
             weight_threshold=WEIGHT_THRESHOLD,
         )
-        apply = cto.linear_quantize_weights
-    elif compression.method == "prune":
-        op_config = cto.OpMagnitudePrunerConfig(
-            target_sparsity=compression.sparsity, weight_threshold=WEIGHT_THRESHOLD
-        )
-        apply = cto.prune_weights
-    else:  # pragma: no cover - the schema allows nothing else
-        raise ValueError(compression.method)
+        return config, cto.linear_quantize_weights
+    if compression.method == "prune":
+        config = cto.OpMagnitudePrunerConfig(target_sparsity=compression.sparsity, weight_threshold=WEIGHT_THRESHOLD)
+        return config, cto.prune_weights
+    raise ValueError(compression.method)  # pragma: no cover - the schema allows nothing else
 
-    excluded = {
-        name: None
-        for name in weight_names(mlmodel)
-        if _matches(name, ALWAYS_FLOAT16) or _matches(name, tuple(compression.keep_float16))
-    }
-    config = cto.OptimizationConfig(global_config=op_config, op_name_configs=excluded)
-    log.debug("compressing with %s; kept float16: %s", compression.describe(), sorted(excluded))
-    with captured_output():
-        compressed = apply(mlmodel, config=config)
-    del ct
-    return compressed
+
+def compress_model(mlmodel, compression: Compression, lora_compression: Compression | None = None):
+    """Return ``mlmodel`` compressed as the manifest says.
+
+    ``compression`` applies to the base weights; ``lora_compression`` (keep mode) to the LoRA
+    matrices, which are otherwise left float16.
+    """
+    lora_compression = lora_compression or Compression(method="none")
+    if compression.method == "none" and lora_compression.method == "none":
+        return mlmodel
+    import_coremltools()
+    from coremltools.optimize import coreml as cto
+
+    names = weight_names(mlmodel)
+    lora_names = [n for n in names if _matches(n, LORA_PATTERNS)]
+    if compression.method != "none":
+        op_config, apply = _op_config(compression)
+        excluded = {
+            name: None
+            for name in names
+            if _matches(name, ALWAYS_FLOAT16) or _matches(name, tuple(compression.keep_float16)) or name in lora_names
+        }
+        config = cto.OptimizationConfig(global_config=op_config, op_name_configs=excluded)
+        log.debug("compressing with %s; kept float16: %s", compression.describe(), sorted(excluded))
+        with captured_output():
+            mlmodel = apply(mlmodel, config=config)
+    if lora_compression.method != "none" and lora_names:
+        op_config, apply = _op_config(lora_compression)
+        config = cto.OptimizationConfig(global_config=None, op_name_configs={name: op_config for name in lora_names})
+        with captured_output():
+            mlmodel = apply(mlmodel, config=config)
+    return mlmodel

@@ -202,6 +202,10 @@ class Manifest(_Strict):
     lora: Literal["fuse", "keep"] = "fuse"
     export: Export = Export()
     compression: Compression = Compression()
+    lora_compression: Compression = Field(
+        default_factory=lambda: Compression(method="none"),
+        description="Compression of the LoRA A/B matrices in `lora: keep` functions (default: float16)",
+    )
     verify: VerifySettings = VerifySettings()
     output: StrictStr | None = Field(default=None, description="Output .mlpackage (default build/<name>.mlpackage)")
 

@@ -175,7 +175,7 @@ def build(
 
 def _build_parts(checked: CheckedInputs, folder: Path, reporter: Reporter) -> tuple[list[FunctionRecord], dict[str, int]]:
     from .base_model import load_base
-    from .compress import compress_model
+    from .compress import clear_palette_memo, compress_model
     from .convert import convert_decoder
     from .lora import applied_adapter
 
@@ -206,8 +206,9 @@ def _build_parts(checked: CheckedInputs, folder: Path, reporter: Reporter) -> tu
                     max_context=manifest.export.max_context,
                     target=manifest.export.deployment_target,
                 )
+        lora_compression = manifest.lora_compression if adapter is not None and manifest.lora_mode(name) == "keep" else None
         with reporter.stage(f"{name}: compress ({compression.describe()})"):
-            mlmodel = compress_model(mlmodel, compression)
+            mlmodel = compress_model(mlmodel, compression, lora_compression)
         part = parts / f"{name}.mlpackage"
         from .quiet import captured_output
 
@@ -217,6 +218,7 @@ def _build_parts(checked: CheckedInputs, folder: Path, reporter: Reporter) -> tu
         sizes[name] = folder_size(part)
         records.append(record)
     del base
+    clear_palette_memo()
     return records, sizes
 
 
