@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import uuid
 from pathlib import Path
 from typing import Mapping
 
@@ -47,7 +48,22 @@ def merge_functions(
         model.save(str(destination))
     shutil.rmtree(merged, ignore_errors=True)
     record_weights_digest(destination)
+    normalize_manifest_json(destination)
     return destination
+
+
+def normalize_manifest_json(package: Path) -> None:
+    """Replace the random item identifiers Core ML writes into ``Manifest.json`` with ones derived
+    from each item's path, so the same inputs give a byte-identical package."""
+    manifest_file = package / "Manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    renamed = {}
+    for old_id, item in manifest.get("itemInfoEntries", {}).items():
+        renamed[old_id] = str(uuid.uuid5(uuid.NAMESPACE_URL, "adapterpack:" + item.get("path", old_id))).upper()
+    manifest["itemInfoEntries"] = {renamed[k]: v for k, v in sorted(manifest["itemInfoEntries"].items(), key=lambda kv: renamed[kv[0]])}
+    if manifest.get("rootModelIdentifier") in renamed:
+        manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]
+    manifest_file.write_text(json.dumps(manifest, indent=4, sort_keys=True) + "\n")
 
 
 def record_weights_digest(package: Path) -> None:
@@ -63,7 +79,8 @@ def record_weights_digest(package: Path) -> None:
     spec = Model_pb2.Model()
     spec.ParseFromString(spec_file.read_bytes())
     spec.description.metadata.userDefined[METADATA_PREFIX + "weightsSha256"] = weights_digest(package)
-    spec_file.write_bytes(spec.SerializeToString())
+    # deterministic: protobuf map order is otherwise arbitrary, and builds must be reproducible
+    spec_file.write_bytes(spec.SerializeToString(deterministic=True))
 
 
 def package_metadata(
