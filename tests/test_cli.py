@@ -168,6 +168,13 @@ def _corrupt(project: Path, tmp_path: Path, case: str) -> Path:
         tensors = load_file(weights)
         tensors["base_model.model.model.layers.0.self_attn.nonexistent_proj.lora_A.weight"] = np.ones((4, 64), np.float32)
         save_file(tensors, weights)
+    elif case == "missing keys":
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(weights)
+        for key in [k for k in tensors if ".layers.1.self_attn.v_proj." in k]:
+            del tensors[key]
+        save_file(tensors, weights)
     elif case == "nan":
         from safetensors.numpy import load_file, save_file
 
@@ -189,7 +196,7 @@ def _corrupt(project: Path, tmp_path: Path, case: str) -> Path:
 
 BAD_CASES = [
     "unknown key", "yaml syntax", "missing path", "duplicate name", "non-swift name", "unknown default",
-    "pickle only", "shape mismatch", "missing target", "nan", "truncated", "missing base",
+    "pickle only", "shape mismatch", "missing target", "missing keys", "nan", "truncated", "missing base",
 ]
 
 

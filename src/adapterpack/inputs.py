@@ -920,6 +920,39 @@ def _role_name(role: str) -> str:
     }[role]
 
 
+def _untrained_targets(base: BaseInfo, config: dict, present: set[str]) -> list[str]:
+    """Base modules the config's ``target_modules`` list selects but the weights do not cover.
+
+    Only plain lists are checked (peft's suffix rule); regex strings, ``all-linear``, layer
+    patterns and exclusions are left to peft rather than re-implemented here.
+    """
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or config.get("exclude_modules") or config.get("layers_pattern"):
+        return []
+    layers = config.get("layers_to_transform")
+    if isinstance(layers, int):
+        layers = [layers]
+    modules = sorted(
+        {
+            name[: -len(".weight")]
+            for name, info in base.tensors.items()
+            if name.endswith(".weight") and len(info.shape) == 2
+        },
+        key=_natural_key,
+    )
+    missing = []
+    for module in modules:
+        if not any(module == t or module.endswith("." + t) for t in targets if isinstance(t, str)):
+            continue
+        if layers is not None:
+            match = re.search(r"\.layers\.(\d+)\.", module)
+            if match is None or int(match.group(1)) not in layers:
+                continue
+        if module not in present:
+            missing.append(module)
+    return missing
+
+
 @_os_errors_as_bad_input
 def inspect_adapter(folder: Path, base: BaseInfo, *, allow_pickle: bool = False) -> AdapterInfo:
     """Validate a peft LoRA adapter folder and check that every tensor applies to ``base``.
@@ -969,6 +1002,14 @@ def inspect_adapter(folder: Path, base: BaseInfo, *, allow_pickle: bool = False)
             weight_file,
             f"{bad_keys} of {len(tensors)} adapter tensor(s) do not apply to base "
             f"'{base.source}'; first: {key}: {reason}",
+        )
+
+    missing = _untrained_targets(base, config, set(checker.lora) | set(checker.saved))
+    if missing:
+        raise _bad(
+            weight_file,
+            f"missing LoRA weights for {len(missing)} module(s) that adapter_config.json targets, "
+            f"first: {missing[0]} (the weights file does not match its config)",
         )
 
     warnings: list[str] = []
