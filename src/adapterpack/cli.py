@@ -162,6 +162,9 @@ def build(
     ] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verifying every function against PyTorch")] = False,
     backend: Annotated[str, typer.Option("--backend", help="Verification backend: numpy (any OS) or coreml (macOS)")] = "numpy",
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Treat warnings (adapter trained on a differently named base) as errors")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
 ) -> None:
     """Build one multifunction .mlpackage from a manifest, then verify it (exit 3 if it does not match).
@@ -181,6 +184,7 @@ def build(
             reporter=ConsoleReporter(quiet),
             verify=not no_verify,
             backend=backend,
+            strict=strict,
         )
         table = Table(title=f"{result.output}", title_justify="left")
         for column in ("function", "adapter", "lora", "compression", "alone"):
@@ -247,6 +251,36 @@ def verify(
             raise VerificationFailed(report.verdict())
         if not as_json:
             out.print(report.verdict(), highlight=False)
+
+
+@app.command()
+def release(
+    manifest: ManifestArg,
+    out_dir: Annotated[Path, typer.Option("--out-dir", "-d", help="Release folder, e.g. dist/")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing release (only once the new one succeeded)")] = False,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")
+    ] = False,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Treat warnings (adapter trained on a differently named base) as errors")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+) -> None:
+    """Build, verify and write reproducible release artifacts: NAME.mlpackage.zip, build-info.json, SHA256SUMS.
+
+    Example: adapterpack release manifests/demo.yaml --out-dir dist && (cd dist && sha256sum -c SHA256SUMS)
+    """
+    _configure_logging(quiet)
+    with error_boundary():
+        from .release import release as run_release
+
+        result = run_release(
+            manifest, out_dir, force=force, allow_pickle=allow_pickle, strict=strict, reporter=ConsoleReporter(quiet)
+        )
+        if result.build.verify_report is not None:
+            out.print(verify_table(result.build.verify_report))
+        for path in (result.zip_path, result.build_info, result.sums):
+            out.print(f"{path}  {_human(path.stat().st_size)}", highlight=False)
 
 
 @app.command()

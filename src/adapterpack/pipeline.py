@@ -79,10 +79,17 @@ class CheckedInputs:
     adapters: dict  # function name -> inputs.AdapterInfo
 
 
-def check_inputs(manifest: Manifest | str | Path, *, allow_pickle: bool = False) -> CheckedInputs:
-    """Validate the manifest, the base and every adapter without importing torch or coremltools."""
+def check_inputs(
+    manifest: Manifest | str | Path | CheckedInputs, *, allow_pickle: bool = False, strict: bool = False
+) -> CheckedInputs:
+    """Validate the manifest, the base and every adapter without importing torch or coremltools.
+
+    ``strict`` turns warnings (an adapter trained on a differently named base) into errors.
+    """
     from .inputs import inspect_adapter, resolve_base
 
+    if isinstance(manifest, CheckedInputs):
+        return manifest
     if not isinstance(manifest, Manifest):
         manifest = load_manifest(manifest)
     base = resolve_base(manifest.base.path, manifest.base.revision, manifest.folder)
@@ -102,6 +109,8 @@ def check_inputs(manifest: Manifest | str | Path, *, allow_pickle: bool = False)
                 "modules, which cannot be shared: use lora: fuse for this adapter"
             )
         for warning in info.warnings:
+            if strict:
+                raise BadInput(f"{warning} (an error with --strict)")
             log.warning("%s", warning)
         adapters[adapter.name] = info
     return CheckedInputs(manifest=manifest, base=base, adapters=adapters)
@@ -123,7 +132,7 @@ def hf_name(checked: CheckedInputs) -> str:
 
 
 def build(
-    manifest: Manifest | str | Path,
+    manifest: Manifest | str | Path | CheckedInputs,
     *,
     output: str | Path | None = None,
     force: bool = False,
@@ -131,6 +140,7 @@ def build(
     reporter: Reporter | None = None,
     verify: bool = True,
     backend: str = "numpy",
+    strict: bool = False,
 ) -> BuildResult:
     """Build the package a manifest describes; returns where it went and what it holds.
 
@@ -139,7 +149,7 @@ def build(
     """
     reporter = reporter or Reporter()
     started = time.perf_counter()
-    checked = check_inputs(manifest, allow_pickle=allow_pickle)
+    checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
     manifest = checked.manifest
     destination = manifest.output_path(output)
     if destination.exists() and not force:
