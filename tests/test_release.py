@@ -1,0 +1,164 @@
+"""release: reproducible artifacts, sums that check, and output that survives interruption."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from factories import make_adapter, make_base
+
+CLI = [sys.executable, "-m", "adapterpack"]
+MANIFEST = """name: rel
+base: {path: base}
+adapters:
+  - {name: chat, path: chat}
+include_base: base
+export: {max_context: 32}
+compression: {method: none}
+"""
+
+
+def run(*args, **kwargs) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=600, **kwargs)
+
+
+def digest_tree(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(path).as_posix().encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("release")
+    make_base(root / "base", "llama")
+    make_adapter(root / "chat", root / "base", std=0.1)
+    (root / "rel.yaml").write_text(MANIFEST)
+    return root
+
+
+@pytest.fixture(scope="module")
+def first_release(project) -> Path:
+    result = run("release", project / "rel.yaml", "--out-dir", project / "dist1", "--quiet")
+    assert result.returncode == 0, result.stderr
+    return project / "dist1"
+
+
+def test_release_is_reproducible_and_sums_check(project, first_release):
+    time.sleep(1.5)  # a different wall-clock second must not change any byte
+    second = run("release", project / "rel.yaml", "--out-dir", project / "dist2", "--quiet")
+    assert second.returncode == 0, second.stderr
+    for name in ("rel.mlpackage.zip", "build-info.json", "SHA256SUMS"):
+        assert (first_release / name).read_bytes() == (project / "dist2" / name).read_bytes(), name
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=first_release, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "rel.mlpackage.zip: OK" in check.stdout
+
+
+def test_build_info_records_provenance(project, first_release):
+    info = json.loads((first_release / "build-info.json").read_text())
+    assert info["functions"] == ["chat", "base"]
+    assert len(info["base"]["sha256"]) == 64 and len(info["adapters"]["chat"]["sha256"]) == 64
+    assert info["verify"]["passed"] is True
+    assert info["sizes"]["zip_bytes"] == (first_release / "rel.mlpackage.zip").stat().st_size
+    assert "coremltools" in info["versions"] and info["manifest"]["name"] == "rel"
+
+
+def test_zip_entries_are_normalized(first_release):
+    import zipfile
+
+    with zipfile.ZipFile(first_release / "rel.mlpackage.zip") as archive:
+        names = archive.namelist()
+        assert names == sorted(names) or names[0] == "rel.mlpackage/"
+        assert all(info.date_time == (1980, 1, 1, 0, 0, 0) for info in archive.infolist())
+        assert {(info.external_attr >> 16) & 0o777 for info in archive.infolist()} <= {0o644, 0o755}
+        assert "rel.mlpackage/Manifest.json" in names
+
+
+def test_existing_release_needs_force(project, first_release):
+    before = digest_tree(first_release)
+    refused = run("release", project / "rel.yaml", "--out-dir", first_release)
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    assert digest_tree(first_release) == before
+
+
+def _start_build_and_wait_for_staging(project: Path, output: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
+    process = subprocess.Popen(
+        [*CLI, "build", str(project / "rel.yaml"), "-o", str(output), "--force", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if list(output.parent.glob(f".{output.name}*staging*/parts/*")):
+            return process
+        if process.poll() is not None:
+            raise AssertionError(f"build ended before it could be interrupted: {process.stderr.read()}")
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError("no staging folder appeared")
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_interrupted_build_leaves_previous_output_intact(project, tmp_path, how):
+    output = tmp_path / "pkg.mlpackage"
+    first = run("build", project / "rel.yaml", "-o", output, "--no-verify", "--quiet")
+    assert first.returncode == 0, first.stderr
+    before = digest_tree(output)
+
+    process = _start_build_and_wait_for_staging(project, output)
+    process.send_signal(signal.SIGINT if how == "SIGINT" else signal.SIGKILL)
+    code = process.wait(timeout=120)
+    stderr = process.stderr.read()
+    if how == "SIGINT":
+        assert code == 130, stderr
+        assert "Traceback" not in stderr
+        assert not list(tmp_path.glob(".pkg.mlpackage*staging*")), "staging must be removed on Ctrl-C"
+    else:
+        assert code == -signal.SIGKILL
+    assert digest_tree(output) == before
+
+    # The next run removes what a killed run left behind, and succeeds.
+    again = run("build", project / "rel.yaml", "-o", output, "--no-verify", "--quiet", "--force")
+    assert again.returncode == 0, again.stderr
+    assert not list(tmp_path.glob(".pkg.mlpackage*staging*"))
+
+
+def test_short_disk_space_is_exit_4(project, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from adapterpack import release as release_module
+    from adapterpack.cli import app
+
+    monkeypatch.setattr(release_module.shutil, "disk_usage", lambda path: type("u", (), {"free": 1024})())
+    result = CliRunner().invoke(app, ["release", str(project / "rel.yaml"), "--out-dir", str(tmp_path / "d")])
+    assert result.exit_code == 4, result.output
+    assert "MiB free" in result.output
+    assert not (tmp_path / "d" / "SHA256SUMS").exists()
+
+
+def test_strict_turns_base_name_mismatch_into_an_error(project, tmp_path):
+    import shutil
+
+    root = tmp_path / "p"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("dist*"))
+    config_file = root / "chat" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = "someone/another-model"
+    config_file.write_text(json.dumps(config))
+    lenient = run("validate", root / "rel.yaml")
+    assert lenient.returncode == 0 and "another-model" in lenient.stderr
+    strict = run("build", root / "rel.yaml", "--strict", "-o", tmp_path / "x.mlpackage")
+    assert strict.returncode == 2 and "--strict" in strict.stderr
+    assert not (tmp_path / "x.mlpackage").exists()
