@@ -318,6 +318,26 @@ class _StrictLoader(yaml.SafeLoader):
 _YAML_11_WORDS = {"yes", "no", "on", "off", "y", "n", "true", "false"}
 
 
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_EXPANDED_NODES = 100_000
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes the document expands to once aliases are followed (a YAML "billion laughs" is tiny
+    on disk and astronomically large expanded)."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    memo[key] = 1  # a cycle counts once instead of recursing forever
+    size = 1
+    if isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(item, memo) for item in node.value)
+    memo[key] = min(size, MAX_EXPANDED_NODES + 1)
+    return memo[key]
+
+
 def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], file: Path, raw: dict[tuple, str]) -> None:
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.ScalarNode):
@@ -325,6 +345,8 @@ def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], file: Path, raw
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise BadInput(f"{file}:{key_node.start_mark.line + 1}: mapping keys must be plain words")
             key = key_node.value
             if key in seen:
                 raise BadInput(
@@ -354,11 +376,15 @@ def load_manifest(path: str | Path) -> Manifest:
     if not file.is_file():
         raise BadInput(f"{file}: manifest is not a file")
     try:
+        if file.stat().st_size > MAX_MANIFEST_BYTES:
+            raise BadInput(f"{file}: manifest is larger than {MAX_MANIFEST_BYTES // 1024} KiB")
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise BadInput(f"{file}: cannot read manifest ({error})") from None
     try:
         root = yaml.compose(text, Loader=_StrictLoader)
+    except RecursionError:
+        raise BadInput(f"{file}: YAML nesting is too deep") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
@@ -366,13 +392,20 @@ def load_manifest(path: str | Path) -> Manifest:
         raise BadInput(f"{file}{line}: YAML syntax error: {problem}") from None
     if root is None or not isinstance(root, yaml.MappingNode):
         raise BadInput(f"{file}:1: the manifest must be a YAML mapping (name:, base:, adapters:, ...)")
+    if _expanded_size(root, {}) > MAX_EXPANDED_NODES:
+        raise BadInput(f"{file}: the manifest expands to more than {MAX_EXPANDED_NODES} YAML nodes (alias bomb?)")
     lines: dict[tuple, int] = {}
     raw: dict[tuple, str] = {}
-    _walk(root, (), lines, file, raw)
+    try:
+        _walk(root, (), lines, file, raw)
+    except RecursionError:
+        raise BadInput(f"{file}: YAML nesting is too deep") from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:  # e.g. unhashable keys, which compose accepts
         raise BadInput(f"{file}: YAML error: {str(error).splitlines()[0]}") from None
+    except (TypeError, ValueError, RecursionError) as error:  # e.g. a mapping used as a key
+        raise BadInput(f"{file}: YAML error: {error}") from None
     try:
         manifest = Manifest.model_validate(data)
     except ValidationError as error:

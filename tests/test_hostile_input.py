@@ -1,0 +1,162 @@
+"""Hostile and random input: only ever a clean BadInput (exit 2), never a traceback or output.
+
+Property-based (hypothesis): mutated manifests, adapter configs and safetensors files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adapterpack.errors import BadInput
+from adapterpack.manifest import load_manifest
+from adapterpack.pipeline import check_inputs
+from factories import make_adapter, make_base
+
+VALID = """name: h
+base: {path: base}
+adapters:
+  - name: chat
+    path: chat
+    scale: 1.0
+include_base: plain
+default_function: chat
+export: {max_context: 32, deployment_target: iOS18}
+compression: {method: palettize, nbits: 4, keep_float16: [embed_tokens]}
+"""
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    make_base(root / "base", "llama")
+    make_adapter(root / "chat", root / "base")
+    (root / "h.yaml").write_text(VALID)
+    return root
+
+
+def _only_bad_input(call) -> None:
+    try:
+        call()
+    except BadInput as error:
+        message = str(error)
+        assert message and "\n" not in message and "Traceback" not in message
+
+
+fragments = st.sampled_from(
+    ["name:", "base:", "path:", "adapters:", "- ", "{", "}", "[", "]", ":", "&a", "*a", "!!python/object:os.system",
+     "no", "yes", "0x1F", "1e3", "~", "null", "'", '"', "\t", "\n", "  ", "max_context: -1", "nbits: 5",
+     "include_base: Chat", "default_function: x", "lora: keep", "method: prune", "sparsity: 2", "???"]
+)
+
+
+@FAST
+@given(
+    position=st.integers(min_value=0, max_value=len(VALID)),
+    cut=st.integers(min_value=0, max_value=20),
+    insert=st.lists(fragments, max_size=4).map("".join),
+)
+def test_mutated_manifests_are_valid_or_bad_input(project, tmp_path_factory, position, cut, insert):
+    text = VALID[:position] + insert + VALID[position + cut :]
+    path = project / "mutated.yaml"
+    path.write_text(text)
+    _only_bad_input(lambda: load_manifest(path))
+
+
+@FAST
+@given(data=st.binary(max_size=400))
+def test_random_bytes_as_manifest(project, data):
+    path = project / "random.yaml"
+    path.write_bytes(data)
+    _only_bad_input(lambda: load_manifest(path))
+
+
+def test_yaml_alias_bomb_is_refused(tmp_path):
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for i in range(1, 12):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\nname: x\n")
+    with pytest.raises(BadInput, match="alias bomb"):
+        load_manifest(path)
+
+
+def test_python_tags_do_not_run_code(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "tag.yaml"
+    path.write_text(f"name: !!python/object/apply:os.system ['touch {marker}']\nbase: {{path: .}}\n")
+    with pytest.raises(BadInput):
+        load_manifest(path)
+    assert not marker.exists()
+
+
+def test_deep_nesting_is_refused(tmp_path):
+    path = tmp_path / "deep.yaml"
+    path.write_text("name: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(BadInput):
+        load_manifest(path)
+
+
+@FAST
+@given(text=st.text(max_size=300))
+def test_mutated_adapter_config_is_valid_or_bad_input(project, text):
+    config = project / "chat" / "adapter_config.json"
+    original = config.read_text()
+    try:
+        config.write_text(text if not text.startswith("{") else original[:-1] + text)
+        _only_bad_input(lambda: check_inputs(project / "h.yaml"))
+    finally:
+        config.write_text(original)
+
+
+@FAST
+@given(
+    offset=st.integers(min_value=0, max_value=600),
+    replacement=st.binary(min_size=1, max_size=16),
+    truncate=st.booleans(),
+)
+def test_mutated_adapter_weights_are_valid_or_bad_input(project, offset, replacement, truncate):
+    weights = project / "chat" / "adapter_model.safetensors"
+    original = weights.read_bytes()
+    try:
+        data = bytearray(original)
+        data[offset : offset + len(replacement)] = replacement
+        if truncate:
+            data = data[: max(0, len(original) - offset)]
+        weights.write_bytes(bytes(data))
+        _only_bad_input(lambda: check_inputs(project / "h.yaml"))
+    finally:
+        weights.write_bytes(original)
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(offset=st.integers(min_value=0, max_value=400), value=st.integers(min_value=0, max_value=255))
+def test_cli_build_on_mutated_adapter_exit_0_or_2_and_no_output_on_failure(project, tmp_path_factory, offset, value):
+    root = tmp_path_factory.mktemp("cli")
+    shutil.copytree(project, root / "p")
+    weights = root / "p" / "chat" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[offset] = value
+    weights.write_bytes(bytes(data))
+    output = root / "out.mlpackage"
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
+    result = subprocess.run(
+        [sys.executable, "-m", "adapterpack", "build", str(root / "p" / "h.yaml"), "-o", str(output), "--quiet",
+         "--no-verify"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert result.returncode in (0, 2), result.stderr
+    assert "Traceback" not in result.stderr
+    if result.returncode == 2:
+        assert not output.exists()
+        assert len(result.stderr.strip().splitlines()) == 1
