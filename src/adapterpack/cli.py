@@ -376,5 +376,180 @@ def functions(
             out.print(f"functions match --expect ({len(package_functions.names)})", highlight=False)
 
 
+@app.command()
+def inspect(
+    package: Annotated[Path, typer.Argument(help="A .mlpackage, e.g. build/demo.mlpackage", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
+    top: Annotated[int, typer.Option("--top", min=0, help="How many of the largest tensors to list")] = 10,
+    device: Annotated[
+        Optional[str],
+        typer.Option("--device", help="Only this device in the memory budget, e.g. iphone-15-pro (default: all)"),
+    ] = None,
+) -> None:
+    """Show where a package's bytes go: per function (unique, shared, alone), largest tensors,
+    compression, deduplication, and whether the heaviest function fits each device's app memory limit.
+
+    Example: adapterpack inspect build/demo.mlpackage --top 5 --device iphone-15
+    """
+    _configure_logging(quiet=True)
+    with error_boundary():
+        from .devices import DEVICES, find_device
+        from .inspect_package import inspect_package, memory_estimate
+
+        devices = [find_device(device)] if device else list(DEVICES)
+        report = inspect_package(package)
+        estimate = memory_estimate(report)
+        budget = _budget_rows(report, estimate, devices)
+        if as_json:
+            document = report.as_json(top=top)
+            document["memory"] = None if estimate is None else {
+                "function": estimate.function,
+                "weights_bytes": estimate.weights_bytes,
+                "kv_bytes": estimate.kv_bytes,
+                "activation_bytes": estimate.activation_bytes,
+                "activations_known": estimate.activations_known,
+                "need_bytes": estimate.need_bytes,
+                "devices": budget,
+            }
+            print(json.dumps(document, indent=2))
+            return
+        _print_inspection(report, estimate, budget, top)
+
+
+def _budget_rows(report, estimate, devices) -> list[dict]:
+    """The memory budget per device, with and without the increased-memory-limit entitlement."""
+    from .devices import largest_context_that_fits, memory_budget
+
+    if estimate is None:
+        return []
+    plain = memory_budget(estimate.weights_bytes, estimate.kv_bytes, estimate.activation_bytes, devices)
+    raised = memory_budget(
+        estimate.weights_bytes, estimate.kv_bytes, estimate.activation_bytes, devices, increased_limit=True
+    )
+    shape = report.shape
+    rows = []
+    for default_row, raised_row in zip(plain, raised):
+        dev = default_row.device
+        context = None
+        if estimate.activations_known:
+            context = largest_context_that_fits(
+                dev, estimate.weights_bytes, shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.vocab,
+                shape.hidden, n_heads=shape.n_heads, intermediate=shape.intermediate,
+            )
+        rows.append({
+            "device": dev.key,
+            "name": dev.name,
+            "ram_bytes": dev.ram_bytes,
+            "limit_bytes": default_row.limit,
+            "fits": default_row.fits,
+            "headroom_bytes": default_row.headroom,
+            "increased_limit_bytes": dev.increased_limit_bytes,
+            "fits_increased": raised_row.fits if dev.increased_limit_bytes is not None else None,
+            "headroom_increased_bytes": raised_row.headroom if dev.increased_limit_bytes is not None else None,
+            "largest_context": context,
+            "estimate": dev.estimate,
+            "source": dev.source,
+        })
+    return rows
+
+
+def _signed(size: int) -> str:
+    return ("-" if size < 0 else "") + _human(abs(size))
+
+
+def _print_inspection(report, estimate, budget: list[dict], top: int) -> None:
+    default = report.default_function
+    out.print(
+        f"{report.path}: {len(report.functions)} function(s) (default {default}), "
+        f"{_human(report.total_bytes)} on disk",
+        highlight=False,
+    )
+    table = Table(title="bytes per function", title_justify="left")
+    for column in ("function", "unique", "shared", "references", "alone", "weights by kind"):
+        table.add_column(column, justify="left" if column in ("function", "weights by kind") else "right")
+    for f in report.functions:
+        kinds = "; ".join(f"{kind} {_human(size)}" for kind, size in f.bytes_by_kind.items())
+        table.add_row(
+            f.name + (" (default)" if f.default else ""),
+            _human(f.unique_bytes),
+            _human(f.shared_bytes),
+            _human(f.referenced_bytes),
+            _human(f.alone_bytes),
+            kinds,
+        )
+    out.print(table)
+    others = ", ".join(f"{Path(name).name} {_human(size)}" for name, size in report.other_files.items())
+    out.print(
+        f"total {_human(report.total_bytes)} = weights {_human(report.weight_bytes)} (tensor data "
+        f"{_human(report.weight_data_bytes)} + headers/padding {_human(report.overhead_bytes)}) + other files "
+        f"{_human(report.other_bytes)} ({others})",
+        highlight=False,
+    )
+    out.print(
+        f"stored once for 2+ functions: {_human(report.shared_bytes)}; functions built alone: "
+        f"{_human(report.sum_alone_bytes)}; dedup ratio {report.dedup_ratio:.2f}x",
+        highlight=False,
+    )
+    if report.unreferenced_bytes:
+        out.print(f"[yellow]unreferenced weight data: {_human(report.unreferenced_bytes)}[/]", highlight=False)
+
+    if top:
+        tensors = Table(title=f"largest tensors (top {top})", title_justify="left")
+        for column in ("tensor", "functions", "size", "shape", "kind", "stored as"):
+            tensors.add_column(column, justify="right" if column == "size" else "left")
+        for t in report.largest(top):
+            shape = "x".join("?" if d is None else str(d) for d in t.shape)
+            names = t.names[0] + (f" (+{len(t.names) - 1} name(s))" if len(t.names) > 1 else "")
+            tensors.add_row(names, ", ".join(t.functions), _human(t.bytes), shape, t.kind, ", ".join(t.storage))
+        out.print(tensors)
+
+    kinds = Table(title="compression (each stored tensor once)", title_justify="left")
+    for column in ("kind", "bytes", "share"):
+        kinds.add_column(column, justify="left" if column == "kind" else "right")
+    for kind, size in report.bytes_by_kind.items():
+        share = size / report.weight_data_bytes if report.weight_data_bytes else 0.0
+        kinds.add_row(kind, _human(size), f"{share:.1%}")
+    out.print(kinds)
+
+    if estimate is None:
+        out.print("memory budget: no keyCache state in this package, so no KV-cache size to estimate", highlight=False)
+        return
+    shape = report.shape
+    activations = f"{_human(estimate.activation_bytes)}" if estimate.activations_known else "unknown (no vocab/hidden)"
+    out.print(
+        f"model: {shape.n_layers} layers, {shape.n_kv_heads} kv heads x {shape.head_dim}, max_context "
+        f"{shape.max_context}, vocab {shape.vocab or '?'}, hidden {shape.hidden or '?'}. Largest function "
+        f"{estimate.function}: weights {_human(estimate.weights_bytes)} + KV-cache {_human(estimate.kv_bytes)} + "
+        f"activations {activations} (estimate) = {_human(estimate.need_bytes)}",
+        highlight=False,
+    )
+    memory = Table(title="memory budget (one function loaded)", title_justify="left")
+    for column in ("device", "RAM", "app limit", "fits", "headroom", "with entitlement", "fits", "headroom", "max context", "ref"):
+        memory.add_column(column, justify="left" if column in ("device", "fits", "ref") else "right")
+    verdict = lambda fits: "-" if fits is None else ("[green]yes[/]" if fits else "[red]no[/]")  # noqa: E731
+    for index, row in enumerate(budget, start=1):
+        raised = row["increased_limit_bytes"]
+        memory.add_row(
+            row["name"],
+            _human(row["ram_bytes"]),
+            _human(row["limit_bytes"]) + ("*" if row["estimate"] else ""),
+            verdict(row["fits"]),
+            _signed(row["headroom_bytes"]),
+            "-" if raised is None else _human(raised),
+            verdict(row["fits_increased"]),
+            "-" if row["headroom_increased_bytes"] is None else _signed(row["headroom_increased_bytes"]),
+            "-" if row["largest_context"] is None else str(row["largest_context"]),
+            f"[{index}]",
+        )
+    out.print(memory)
+    out.print(
+        "* estimate. Limits are for the whole app; keep headroom for its own memory. max context: largest "
+        "max_context (steps of 256) that fits the app limit with a full-length prefill.",
+        highlight=False,
+    )
+    for index, row in enumerate(budget, start=1):
+        out.print(f"[{index}] {row['source']}", highlight=False, markup=False)
+
+
 def main() -> None:  # pragma: no cover - console entry point convenience
     app()

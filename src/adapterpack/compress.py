@@ -36,13 +36,57 @@ _MEMO_LIMIT_BYTES = 2 << 30
 
 
 def _memoized_palette(group: np.ndarray, nbits: int) -> tuple[np.ndarray, np.ndarray]:
-    key = (hashlib.blake2b(group.tobytes(), digest_size=16).digest(), nbits, str(group.dtype), group.shape)
+    key = _group_key(group, nbits)
     found = _palette_memo.get(key)
     if found is None:
+        log.debug("palette memo miss for a group of shape %s", group.shape)
         found = palettize_group(group, nbits)
         if sum(v[1].nbytes for v in _palette_memo.values()) < _MEMO_LIMIT_BYTES:
             _palette_memo[key] = found
     return found[0].copy(), found[1].copy()
+
+
+def _group_key(group: np.ndarray, nbits: int) -> tuple[bytes, int, str, tuple[int, ...]]:
+    return (hashlib.blake2b(group.tobytes(), digest_size=16).digest(), nbits, str(group.dtype), group.shape)
+
+
+# Rows of k-means solved at once: bounds the temporary sort/prefix-sum buffers.
+_PRIME_BATCH_VALUES = 1 << 24
+
+
+def prime_palettes(weights: dict[str, np.ndarray], compression: Compression) -> int:
+    """Cluster every channel group of ``weights`` in vectorized batches, ahead of coremltools.
+
+    coremltools' custom mode asks for one group at a time; answering each from this memo keeps
+    its op construction while the k-means itself runs batched. Groups are split the way
+    coremltools splits a linear/embedding weight (contiguous blocks of ``group_size`` output
+    channels, axis 0); anything it splits differently is simply clustered on demand.
+    Returns the number of groups primed.
+    """
+    from .palettize import kmeans_1d
+
+    nbits = compression.nbits
+    primed = 0
+    for value in weights.values():
+        if value.ndim < 2 or value.dtype.kind != "f":
+            continue
+        rows = value.shape[0] if compression.granularity == "per_tensor" else compression.group_size
+        if not rows or value.shape[0] % rows:
+            continue
+        group_shape = (rows, *value.shape[1:])
+        flat = np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
+        step = max(1, _PRIME_BATCH_VALUES // flat.shape[1])
+        for start in range(0, flat.shape[0], step):
+            chunk = flat[start : start + step]
+            luts, indices = kmeans_1d(chunk, nbits)
+            for row in range(chunk.shape[0]):
+                group = chunk[row].reshape(group_shape)
+                _palette_memo[_group_key(group, nbits)] = (
+                    luts[row].astype(value.dtype),
+                    indices[row].reshape(group_shape),
+                )
+                primed += 1
+    return primed
 
 
 def clear_palette_memo() -> None:
@@ -61,14 +105,14 @@ def _matches(const_name: str, patterns: tuple[str, ...]) -> bool:
     return False
 
 
-def weight_names(mlmodel) -> list[str]:
-    """Names of the weight constants large enough to be compressed."""
+def weight_values(mlmodel) -> dict[str, np.ndarray]:
+    """The weight constants large enough to be compressed, by name."""
     import_coremltools()
     from coremltools.optimize.coreml import get_weights_metadata
 
     with captured_output():
         metadata = get_weights_metadata(mlmodel, weight_threshold=WEIGHT_THRESHOLD)
-    return list(metadata)
+    return {name: meta.val for name, meta in metadata.items()}
 
 
 def _op_config(compression: Compression):
@@ -115,7 +159,8 @@ def compress_model(mlmodel, compression: Compression, lora_compression: Compress
     import_coremltools()
     from coremltools.optimize import coreml as cto
 
-    names = weight_names(mlmodel)
+    values = weight_values(mlmodel)
+    names = list(values)
     lora_names = [n for n in names if _matches(n, LORA_PATTERNS)]
     if compression.method != "none":
         op_config, apply = _op_config(compression)
@@ -124,10 +169,13 @@ def compress_model(mlmodel, compression: Compression, lora_compression: Compress
             for name in names
             if _matches(name, ALWAYS_FLOAT16) or _matches(name, tuple(compression.keep_float16)) or name in lora_names
         }
+        if compression.method == "palettize":
+            prime_palettes({n: v for n, v in values.items() if n not in excluded}, compression)
         config = cto.OptimizationConfig(global_config=op_config, op_name_configs=excluded)
         log.debug("compressing with %s; kept float16: %s", compression.describe(), sorted(excluded))
         with captured_output():
             mlmodel = apply(mlmodel, config=config)
+    del values
     if lora_compression.method != "none" and lora_names:
         op_config, apply = _op_config(lora_compression)
         config = cto.OptimizationConfig(global_config=None, op_name_configs={name: op_config for name in lora_names})
