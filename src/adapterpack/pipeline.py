@@ -171,7 +171,7 @@ def build(
                 raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
         staging.commit(merged)
 
-    return BuildResult(
+    result = BuildResult(
         output=destination,
         manifest=manifest,
         functions=records,
@@ -181,6 +181,39 @@ def build(
         seconds=time.perf_counter() - started,
         verify_report=report,
     )
+    estimate = keep_mode_estimate(checked, result)
+    if estimate is not None and estimate < KEEP_HINT_RATIO * result.package_size:
+        reporter.info(
+            f"hint: with `lora: keep` this package would be about {estimate / 2**20:.1f} MiB instead of "
+            f"{result.package_size / 2**20:.1f} MiB (the base stored once, adapters as float16 LoRA matrices)"
+        )
+    return result
+
+
+# Suggest keep mode when it would save more than a quarter of the package.
+KEEP_HINT_RATIO = 0.75
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_embedding_A", ".lora_embedding_B")
+
+
+def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | None:
+    """Estimated package bytes in keep mode, or None when no function is fused.
+
+    One function's part is (close to) the whole base as compressed; keep mode adds only each
+    adapter's LoRA matrices in float16.
+    """
+    fused = [r for r in result.functions if r.lora == "fuse"]
+    if not fused or not result.part_sizes:
+        return None
+    base_bytes = min(result.part_sizes.values())
+    lora_bytes = 0
+    for name, info in checked.adapters.items():
+        for key, tensor in info.tensors.items():
+            if key.endswith(_LORA_SUFFIXES):
+                count = 1
+                for dim in tensor.shape:
+                    count *= dim
+                lora_bytes += 2 * count
+    return base_bytes + lora_bytes
 
 
 def _build_parts(checked: CheckedInputs, folder: Path, reporter: Reporter) -> tuple[list[FunctionRecord], dict[str, int]]:
