@@ -165,9 +165,22 @@ def build(
     strict: Annotated[
         bool, typer.Option("--strict", help="Treat warnings (adapter trained on a differently named base) as errors")
     ] = False,
+    cache_dir: Annotated[
+        Optional[Path], typer.Option("--cache-dir", help="Build cache (default: .adapterpack-cache beside the output)")
+    ] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Rebuild every function; do not read or write the cache")] = False,
+    function: Annotated[
+        Optional[str], typer.Option("--function", help="Fan-out: build only this function's part (needs --parts)")
+    ] = None,
+    parts: Annotated[
+        Optional[Path], typer.Option("--parts", help="Fan-out: folder to write the part to, for `adapterpack merge`")
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
 ) -> None:
     """Build one multifunction .mlpackage from a manifest, then verify it (exit 3 if it does not match).
+
+    Unchanged functions are reused from the build cache. For one CI job per adapter, build parts
+    with `--function NAME --parts DIR` and merge them with `adapterpack merge DIR -o PKG`.
 
     Example: adapterpack build manifests/demo.yaml -o build/demo.mlpackage --force
     """
@@ -176,6 +189,18 @@ def build(
         from .pipeline import build as run_build
 
         _check_backend(backend)
+        if (function is None) != (parts is None):
+            from .errors import BadInput
+
+            raise BadInput("--function and --parts go together (build one function's part for `adapterpack merge`)")
+        if function is not None:
+            from .pipeline import build_function_part
+
+            part = build_function_part(
+                manifest, function, parts, allow_pickle=allow_pickle, strict=strict, reporter=ConsoleReporter(quiet)
+            )
+            out.print(f"part {function}: {part}", highlight=False)
+            return
         result = run_build(
             manifest,
             output=output,
@@ -185,29 +210,59 @@ def build(
             verify=not no_verify,
             backend=backend,
             strict=strict,
+            cache_dir=cache_dir,
+            use_cache=not no_cache,
         )
-        table = Table(title=f"{result.output}", title_justify="left")
-        for column in ("function", "adapter", "lora", "compression", "alone"):
-            table.add_column(column)
-        for record in result.functions:
-            default = " (default)" if record.name == result.default_function else ""
-            table.add_row(
-                record.name + default,
-                record.adapter or "(base)",
-                record.lora or "-",
-                record.compression,
-                _human(result.part_sizes.get(record.name, 0)),
-            )
-        out.print(table)
-        alone = sum(result.part_sizes.values())
-        out.print(
-            f"package {_human(result.package_size)} (functions built alone: {_human(alone)}) "
-            f"in {result.seconds:.0f} s",
-            highlight=False,
+        _print_build(result)
+
+
+def _print_build(result) -> None:
+    """The build summary: functions, sizes, reuse, and the verification table."""
+    table = Table(title=f"{result.output}", title_justify="left")
+    for column in ("function", "adapter", "lora", "compression", "alone"):
+        table.add_column(column)
+    for record in result.functions:
+        default = " (default)" if record.name == result.default_function else ""
+        table.add_row(
+            record.name + default,
+            record.adapter or "(base)",
+            record.lora or "-",
+            record.compression,
+            _human(result.part_sizes.get(record.name, 0)),
         )
-        if result.verify_report is not None:
-            out.print(verify_table(result.verify_report))
-            out.print(result.verify_report.verdict(), highlight=False)
+    out.print(table)
+    alone = sum(result.part_sizes.values())
+    reused = f"; reused from cache: {', '.join(result.reused)}" if getattr(result, "reused", None) else ""
+    out.print(
+        f"package {_human(result.package_size)} (functions built alone: {_human(alone)}) "
+        f"in {result.seconds:.0f} s{reused}",
+        highlight=False,
+    )
+    if result.verify_report is not None:
+        out.print(verify_table(result.verify_report))
+        out.print(result.verify_report.verdict(), highlight=False)
+
+
+@app.command()
+def merge(
+    parts_dir: Annotated[Path, typer.Argument(help="Folder of parts from `build --function NAME --parts DIR`", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The merged .mlpackage")],
+    manifest: Annotated[
+        Optional[Path], typer.Option("--manifest", "-m", help="Verify the merged package against this manifest")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the merge succeeded)")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+) -> None:
+    """Merge parts built by separate jobs into one package (checks they share base, settings and versions).
+
+    Example: adapterpack merge parts/ -o build/demo.mlpackage --manifest manifests/demo.yaml
+    """
+    _configure_logging(quiet)
+    with error_boundary():
+        from .pipeline import merge_from_parts
+
+        result = merge_from_parts(parts_dir, output, force=force, manifest=manifest, reporter=ConsoleReporter(quiet))
+        _print_build(result)
 
 
 def _check_backend(backend: str) -> None:
@@ -386,8 +441,11 @@ def inspect(
         typer.Option("--device", help="Only this device in the memory budget, e.g. iphone-15-pro (default: all)"),
     ] = None,
 ) -> None:
-    """Show where a package's bytes go: per function (unique, shared, alone), largest tensors,
-    compression, deduplication, and whether the heaviest function fits each device's app memory limit.
+    """Show where a package's bytes go and whether its heaviest function fits each device's memory.
+
+    Per function: bytes only it uses, bytes shared with other functions, and its size built alone;
+    the package total, dedup ratio, largest tensors, compression by kind, and a memory budget
+    (weights + KV-cache + activations) against app memory limits with their sources.
 
     Example: adapterpack inspect build/demo.mlpackage --top 5 --device iphone-15
     """

@@ -322,10 +322,10 @@ def largest_context_that_fits(
         )
         return need <= limit
 
-    low, high = 0, CONTEXT_CEILING // CONTEXT_STEP  # invariant: low fits (0 trivially), above high unknown
     if not fits(1):
         return 0
-    low = 1
+    # Invariant: ``low`` steps fit; nothing above ``high`` steps does (or is past the ceiling).
+    low, high = 1, CONTEXT_CEILING // CONTEXT_STEP
     while low < high:
         middle = (low + high + 1) // 2
         if fits(middle):

@@ -48,6 +48,13 @@ class FunctionRecord:
     scale: float | None
     compression: str
 
+    @classmethod
+    def from_part(cls, record: dict) -> "FunctionRecord":
+        return cls(
+            record["function"], record["adapter"], record["adapterSha256"], record["lora"], record["scale"],
+            record["compression"],
+        )
+
     def as_metadata(self) -> dict[str, object]:
         return {
             "adapter": self.adapter,
@@ -68,6 +75,7 @@ class BuildResult:
     package_size: int = 0
     seconds: float = 0.0
     verify_report: object | None = None  # verify.VerifyReport when verification ran
+    reused: list[str] = field(default_factory=list)  # functions taken from the build cache
 
 
 @dataclass(frozen=True)
@@ -141,11 +149,15 @@ def build(
     verify: bool = True,
     backend: str = "numpy",
     strict: bool = False,
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
 ) -> BuildResult:
     """Build the package a manifest describes; returns where it went and what it holds.
 
-    Verification runs on the merged package while it is still in staging: if it fails
-    (VerificationFailed, exit 3), nothing is moved into place and a previous output is untouched.
+    Functions whose inputs, settings and tool versions are unchanged since a previous build are
+    taken from the build cache (default ``.adapterpack-cache`` beside the output). Verification
+    runs on the merged package while it is still in staging: if it fails (VerificationFailed,
+    exit 3), nothing is moved into place and a previous output is untouched.
     """
     reporter = reporter or Reporter()
     started = time.perf_counter()
@@ -155,11 +167,16 @@ def build(
     if destination.exists() and not force:
         raise OutputExists(f"{destination} exists: pass --force to replace it")
 
+    from .parts import PartCache
+
+    cache = PartCache(Path(cache_dir) if cache_dir else destination.parent / CACHE_FOLDER) if use_cache else None
     with Staging(destination) as staging:
-        records, part_sizes = _build_parts(checked, staging.folder, reporter)
+        parts, reused = build_parts(checked, staging.folder / "parts", reporter, cache=cache)
+        records = [FunctionRecord.from_part(record) for record, _ in parts]
+        part_sizes = {record["function"]: folder_size(path) for record, path in parts}
         merged = staging.folder / destination.name
         with reporter.stage("merge functions"):
-            _merge(checked, records, {r.name: staging.folder / "parts" / f"{r.name}.mlpackage" for r in records}, merged)
+            merge_parts(parts, merged)
         report = None
         if verify:
             from .errors import VerificationFailed
@@ -170,6 +187,10 @@ def build(
             if not report.passed:
                 raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
         staging.commit(merged)
+    if cache is not None:
+        from .parts import part_key
+
+        cache.prune(manifest.name, {part_key(record) for record, _ in parts})
 
     result = BuildResult(
         output=destination,
@@ -180,6 +201,7 @@ def build(
         package_size=folder_size(destination),
         seconds=time.perf_counter() - started,
         verify_report=report,
+        reused=reused,
     )
     estimate = keep_mode_estimate(checked, result)
     if estimate is not None and estimate < KEEP_HINT_RATIO * result.package_size:
@@ -216,71 +238,122 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
     return base_bytes + lora_bytes
 
 
-def _build_parts(checked: CheckedInputs, folder: Path, reporter: Reporter) -> tuple[list[FunctionRecord], dict[str, int]]:
-    from .base_model import load_base
-    from .compress import clear_palette_memo, compress_model
-    from .convert import convert_decoder
-    from .lora import applied_adapter
+CACHE_FOLDER = ".adapterpack-cache"
+
+
+def build_parts(
+    checked: CheckedInputs,
+    folder: Path,
+    reporter: Reporter,
+    *,
+    cache=None,
+    only: list[str] | None = None,
+) -> tuple[list[tuple[dict, Path]], list[str]]:
+    """Build (or take from ``cache``) the part of every function, in the package's order.
+
+    Returns the parts as (record, package path) and the names of the functions reused from the
+    cache. The base is loaded only if some part has to be built.
+    """
+    from .parts import part_key, part_record, place
 
     manifest = checked.manifest
-    with reporter.stage(f"load base {manifest.base.path}"):
-        base = load_base(checked.base.folder)
-    records: list[FunctionRecord] = []
-    sizes: dict[str, int] = {}
-    parts = folder / "parts"
-    parts.mkdir(parents=True, exist_ok=True)
-    for name in manifest.function_names:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = only or manifest.function_names
+    name_for_client = hf_name(checked)
+    parts: list[tuple[dict, Path]] = []
+    reused: list[str] = []
+    builder = None
+    try:
+        for name in names:
+            record = part_record(checked, name, name_for_client)
+            key = part_key(record)
+            target = folder / f"{name}.mlpackage"
+            cached = cache.get(key) if cache is not None else None
+            if cached is not None:
+                with reporter.stage(f"{name}: unchanged, reused from the build cache"):
+                    place(cached, target)
+                reused.append(name)
+            else:
+                if builder is None:
+                    builder = _PartBuilder(checked, reporter)
+                builder.build(name, target)
+                if cache is not None:
+                    cache.put(key, target, record)
+            parts.append((record, target))
+    finally:
+        if builder is not None:
+            builder.close()
+    return parts, reused
+
+
+class _PartBuilder:
+    """Loads the base once and turns one function at a time into a compressed part."""
+
+    def __init__(self, checked: CheckedInputs, reporter: Reporter):
+        from .base_model import load_base
+
+        self.checked = checked
+        self.reporter = reporter
+        with reporter.stage(f"load base {checked.manifest.base.path}"):
+            self.base = load_base(checked.base.folder)
+
+    def build(self, name: str, target: Path) -> None:
+        from .compress import compress_model
+        from .convert import convert_decoder
+        from .lora import applied_adapter
+        from .quiet import captured_output
+
+        manifest = self.checked.manifest
         adapter = manifest.adapter(name)
         compression = manifest.compression_for(name)
         if adapter is None:
-            context = contextlib.nullcontext(base)
-            record = FunctionRecord(name, None, None, None, None, compression.describe())
+            context = contextlib.nullcontext(self.base)
+            lora_compression = None
         else:
-            info = checked.adapters[name]
             mode = manifest.lora_mode(name)
-            context = applied_adapter(base, info.folder, mode=mode, scale=float(adapter.scale))
-            record = FunctionRecord(
-                name, adapter.path, info.content_hash, mode, float(adapter.scale), compression.describe()
-            )
-        with reporter.stage(f"{name}: convert"):
+            context = applied_adapter(self.base, self.checked.adapters[name].folder, mode=mode, scale=float(adapter.scale))
+            lora_compression = manifest.lora_compression if mode == "keep" else None
+        with self.reporter.stage(f"{name}: convert"):
             with context as model:
                 mlmodel = convert_decoder(
-                    model,
-                    max_context=manifest.export.max_context,
-                    target=manifest.export.deployment_target,
+                    model, max_context=manifest.export.max_context, target=manifest.export.deployment_target
                 )
-        lora_compression = manifest.lora_compression if adapter is not None and manifest.lora_mode(name) == "keep" else None
-        with reporter.stage(f"{name}: compress ({compression.describe()})"):
+        with self.reporter.stage(f"{name}: compress ({compression.describe()})"):
             mlmodel = compress_model(mlmodel, compression, lora_compression)
-        part = parts / f"{name}.mlpackage"
-        from .quiet import captured_output
-
         with captured_output():
-            mlmodel.save(str(part))
-        del mlmodel
-        sizes[name] = folder_size(part)
-        records.append(record)
-    del base
-    clear_palette_memo()
-    return records, sizes
+            mlmodel.save(str(target))
+
+    def close(self) -> None:
+        from .compress import clear_palette_memo
+
+        del self.base
+        clear_palette_memo()
 
 
-def _merge(checked: CheckedInputs, records: list[FunctionRecord], parts: dict[str, Path], destination: Path) -> None:
-    from .merge import library_versions, merge_functions, package_metadata
+def merge_parts(parts: list[tuple[dict, Path]], destination: Path) -> None:
+    """Merge parts (all from one manifest, see ``parts.read_parts``) into one package with metadata."""
+    from .merge import merge_functions, package_metadata
 
-    manifest = checked.manifest
-    base = checked.base
+    first = parts[0][0]
+    records = [FunctionRecord.from_part(record) for record, _ in parts]
     metadata = package_metadata(
-        hf_name=hf_name(checked),
-        manifest_name=manifest.name,
+        hf_name=first["base"]["hf_name"],
+        manifest_name=first["manifest_name"],
         functions={r.name: r.as_metadata() for r in records},
-        default_function=manifest.default,
-        max_context=manifest.export.max_context,
-        base={"source": manifest.base.path, "revision": manifest.base.revision, "sha256": base.content_hash},
-        versions=library_versions(),
+        default_function=first["default_function"],
+        max_context=first["max_context"],
+        base={k: first["base"][k] for k in ("source", "revision", "sha256")},
+        versions=first["versions"],
     )
-    description = f"{manifest.name}: {len(records)} function(s) ({', '.join(parts)}), built by adapterpack"
-    merge_functions(parts, default_function=manifest.default, destination=destination, metadata=metadata, description=description)
+    names = [r.name for r in records]
+    description = f"{first['manifest_name']}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"
+    merge_functions(
+        {record["function"]: path for record, path in parts},
+        default_function=first["default_function"],
+        destination=destination,
+        metadata=metadata,
+        description=description,
+    )
 
 
 def folder_size(path: Path) -> int:
@@ -288,3 +361,77 @@ def folder_size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def build_function_part(
+    manifest: Manifest | str | Path | CheckedInputs,
+    function: str,
+    parts_dir: str | Path,
+    *,
+    allow_pickle: bool = False,
+    strict: bool = False,
+    reporter: Reporter | None = None,
+) -> Path:
+    """Fan-out: build one function's part into ``parts_dir`` for a later ``merge`` (one CI job each)."""
+    from .parts import write_part
+
+    reporter = reporter or Reporter()
+    checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+    if function not in checked.manifest.function_names:
+        raise BadInput(
+            f"--function {function}: not a function of {checked.manifest.source}: "
+            f"choose one of {', '.join(checked.manifest.function_names)}"
+        )
+    parts_dir = Path(parts_dir).resolve()
+    with Staging(parts_dir / f"{function}.mlpackage") as staging:
+        parts, _ = build_parts(checked, staging.folder, reporter, only=[function])
+        record, package = parts[0]
+        return write_part(parts_dir, package, record)
+
+
+def merge_from_parts(
+    parts_dir: str | Path,
+    output: str | Path,
+    *,
+    force: bool = False,
+    manifest: Manifest | str | Path | None = None,
+    backend: str = "numpy",
+    reporter: Reporter | None = None,
+) -> BuildResult:
+    """Fan-in: merge the parts in ``parts_dir`` into one package (verified when a manifest is given)."""
+    from .parts import read_parts
+
+    reporter = reporter or Reporter()
+    started = time.perf_counter()
+    parts = read_parts(Path(parts_dir))
+    destination = Path(output).resolve()
+    if destination.exists() and not force:
+        raise OutputExists(f"{destination} exists: pass --force to replace it")
+    checked = check_inputs(manifest) if manifest is not None else None
+    if checked is not None and checked.base.content_hash != parts[0][0]["base"]["sha256"]:
+        raise BadInput(f"{parts_dir}: the parts were built from another base than {checked.manifest.source} names")
+    report = None
+    with Staging(destination) as staging:
+        merged = staging.folder / destination.name
+        with reporter.stage(f"merge {len(parts)} parts"):
+            merge_parts(parts, merged)
+        if checked is not None:
+            from .errors import VerificationFailed
+            from .verify import verify_package
+
+            with reporter.stage(f"verify {len(parts)} function(s) ({backend})"):
+                report = verify_package(merged, checked.manifest, backend=backend, checked=checked)
+            if not report.passed:
+                raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
+        staging.commit(merged)
+    first = parts[0][0]
+    return BuildResult(
+        output=destination,
+        manifest=checked.manifest if checked else None,
+        functions=[FunctionRecord.from_part(record) for record, _ in parts],
+        default_function=first["default_function"],
+        part_sizes={record["function"]: folder_size(path) for record, path in parts},
+        package_size=folder_size(destination),
+        seconds=time.perf_counter() - started,
+        verify_report=report,
+    )
