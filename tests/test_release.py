@@ -96,7 +96,7 @@ def test_existing_release_needs_force(project, first_release):
 def _start_build_and_wait_for_staging(project: Path, output: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
     process = subprocess.Popen(
-        [*CLI, "build", str(project / "rel.yaml"), "-o", str(output), "--force", "--quiet"],
+        [*CLI, "build", str(project / "rel.yaml"), "-o", str(output), "--force", "--quiet", "--no-cache"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     deadline = time.time() + 120

@@ -1,0 +1,105 @@
+"""Build cache and fan-out: unchanged functions are reused, parts merge to the same package."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from adapterpack.errors import BadInput
+from adapterpack.functions import read_functions
+from adapterpack.pipeline import build, build_function_part, merge_from_parts
+from factories import make_adapter, make_base
+
+MANIFEST = """name: parts
+base: {path: base}
+adapters:
+  - {name: chat, path: chat}
+  - {name: code, path: code}
+include_base: base
+export: {max_context: 32}
+compression: {method: palettize}
+"""
+
+
+def tree_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(path).as_posix().encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("parts")
+    make_base(root / "base", "llama")
+    make_adapter(root / "chat", root / "base", std=0.1)
+    make_adapter(root / "code", root / "base", std=0.1, seed=4, targets=("gate_proj", "up_proj"))
+    (root / "m.yaml").write_text(MANIFEST)
+    return root
+
+
+@pytest.fixture(scope="module")
+def full_build(project):
+    return build(project / "m.yaml", output=project / "out" / "p.mlpackage", verify=False)
+
+
+def test_rebuild_after_one_adapter_changed_redoes_only_that_function(project, full_build, tmp_path):
+    assert full_build.reused == []
+    unchanged = build(project / "m.yaml", output=project / "out" / "p.mlpackage", verify=False, force=True)
+    assert unchanged.reused == ["chat", "code", "base"]
+    assert tree_digest(unchanged.output) == tree_digest(full_build.output)
+
+    changed = tmp_path / "p"
+    shutil.copytree(project, changed)
+    make_adapter(changed / "code", changed / "base", std=0.1, seed=99, targets=("gate_proj", "up_proj"))
+    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False, force=True)
+    assert rebuilt.reused == ["chat", "base"]
+    def adapter_hashes(package: Path) -> dict:
+        functions = json.loads(read_functions(package).metadata["co.adapterpack.functions"])
+        return {name: entry["adapterSha256"] for name, entry in functions.items()}
+
+    before, after = adapter_hashes(full_build.output), adapter_hashes(rebuilt.output)
+    assert after["code"] != before["code"] and after["chat"] == before["chat"]
+
+
+def test_cache_is_keyed_by_settings(project, full_build, tmp_path):
+    changed = tmp_path / "p"
+    shutil.copytree(project, changed)
+    (changed / "m.yaml").write_text(MANIFEST.replace("method: palettize", "method: linear"))
+    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False, force=True)
+    assert rebuilt.reused == []
+
+
+def test_fan_out_parts_merge_to_the_same_package(project, full_build, tmp_path):
+    parts = tmp_path / "parts"
+    for name in ("base", "code", "chat"):  # any order, as separate CI jobs would finish
+        build_function_part(project / "m.yaml", name, parts)
+    merged = merge_from_parts(parts, tmp_path / "merged.mlpackage", manifest=project / "m.yaml")
+    assert merged.verify_report is not None
+    assert tree_digest(merged.output) == tree_digest(full_build.output)
+
+
+def test_merge_refuses_parts_that_do_not_belong_together(project, tmp_path):
+    parts = tmp_path / "parts"
+    build_function_part(project / "m.yaml", "chat", parts)
+    with pytest.raises(BadInput, match="missing code, base"):
+        merge_from_parts(parts, tmp_path / "x.mlpackage")
+    build_function_part(project / "m.yaml", "code", parts)
+    build_function_part(project / "m.yaml", "base", parts)
+    record_file = parts / "code.part.json"
+    record = json.loads(record_file.read_text())
+    record["versions"]["coremltools"] = "0.0"
+    record_file.write_text(json.dumps(record))
+    with pytest.raises(BadInput, match="differ in versions"):
+        merge_from_parts(parts, tmp_path / "x.mlpackage")
+    assert not (tmp_path / "x.mlpackage").exists()
+
+
+def test_unknown_function_part_is_bad_input(project, tmp_path):
+    with pytest.raises(BadInput, match="choose one of chat, code, base"):
+        build_function_part(project / "m.yaml", "zen", tmp_path / "parts")
