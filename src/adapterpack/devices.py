@@ -333,3 +333,44 @@ def largest_context_that_fits(
         else:
             high = middle - 1
     return low * CONTEXT_STEP
+
+
+def estimated_weight_bytes(tensors: dict, compression, lora_tensors: dict | None = None) -> int:
+    """Bytes one function's weights will take once compressed, from the base's tensor shapes.
+
+    Mirrors what ``compress.py`` does: tensors under the compression threshold or matching
+    ``keep_float16`` stay float16; palettized weights cost nbits per value plus float16 palettes;
+    linear ones nbits per value plus a float16 scale per block/channel; pruned ones the kept
+    float16 values plus a one-bit mask. LoRA matrices (keep mode) are float16.
+    """
+    from .compress import WEIGHT_THRESHOLD, _matches
+
+    total = 0
+    for name, info in tensors.items():
+        count = 1
+        for dim in info.shape:
+            count *= dim
+        module_name = name.replace(".", "_")
+        plain = (
+            compression.method == "none"
+            or len(info.shape) < 2
+            or count < WEIGHT_THRESHOLD
+            or _matches(module_name, tuple(compression.keep_float16))
+        )
+        if plain:
+            total += 2 * count
+        elif compression.method == "palettize":
+            groups = 1 if compression.granularity == "per_tensor" else max(1, info.shape[0] // compression.group_size)
+            total += count * compression.nbits // 8 + groups * (1 << compression.nbits) * 2
+        elif compression.method == "linear":
+            per = compression.block_size if compression.granularity == "per_block" else info.shape[-1]
+            total += count * compression.nbits // 8 + 2 * count // max(1, per)
+        else:  # prune
+            total += int(count * (1 - compression.sparsity)) * 2 + count // 8
+    for name, info in (lora_tensors or {}).items():
+        if "lora_" in name:
+            count = 1
+            for dim in info.shape:
+                count *= dim
+            total += 2 * count
+    return total

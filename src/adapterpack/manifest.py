@@ -153,8 +153,26 @@ class Adapter(_Strict):
 
 
 class Export(_Strict):
-    max_context: StrictInt = Field(default=512, ge=1, le=MAX_CONTEXT_LIMIT, description="KV-cache length")
+    max_context: Annotated[StrictInt, Field(ge=1, le=MAX_CONTEXT_LIMIT)] | Literal["auto"] = Field(
+        default=512, description="KV-cache length, or `auto`: the largest that fits `target_device`"
+    )
+    target_device: StrictStr | None = Field(
+        default=None, description="Device whose app memory limit `max_context: auto` fits (adapterpack inspect lists them)"
+    )
     deployment_target: Literal[DEPLOYMENT_TARGETS] = "iOS18"  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _auto_needs_device(self) -> "Export":
+        if self.max_context == "auto" and not self.target_device:
+            raise ValueError("max_context: auto needs target_device (e.g. iphone-15)")
+        if self.target_device:
+            from .devices import find_device
+
+            try:
+                find_device(self.target_device)
+            except BadInput as error:
+                raise ValueError(f"target_device: {error}") from None
+        return self
 
 
 # Verification thresholds by compression method, measured on the demo package (see README):

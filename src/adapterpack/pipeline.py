@@ -121,7 +121,46 @@ def check_inputs(
                 raise BadInput(f"{warning} (an error with --strict)")
             log.warning("%s", warning)
         adapters[adapter.name] = info
+    if manifest.export.max_context == "auto":
+        manifest = _resolve_auto_context(manifest, base, adapters)
     return CheckedInputs(manifest=manifest, base=base, adapters=adapters)
+
+
+def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
+    """``max_context: auto``: the largest context whose weights + KV-cache + activations fit the device."""
+    from .devices import estimated_weight_bytes, find_device, largest_context_that_fits
+
+    config = base.config.get("text_config") or base.config
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    largest = 0
+    for name in manifest.function_names:
+        info = adapters.get(name)
+        lora = info.tensors if info is not None and manifest.lora_mode(name) == "keep" else {}
+        largest = max(largest, estimated_weight_bytes(base.tensors, manifest.compression_for(name), lora))
+    device = find_device(manifest.export.target_device)
+    context = largest_context_that_fits(
+        device,
+        largest,
+        config["num_hidden_layers"],
+        config.get("num_key_value_heads") or heads,
+        head_dim,
+        config["vocab_size"],
+        config["hidden_size"],
+        n_heads=heads,
+        intermediate=config.get("intermediate_size"),
+    )
+    if context == 0:
+        raise BadInput(
+            f"{manifest.source}: max_context: auto: the weights alone (~{largest / 2**30:.2f} GiB) leave no room "
+            f"for even 256 tokens on {device.name}: compress more or pick a larger device"
+        )
+    trained = config.get("max_position_embeddings")
+    if trained and context > trained:  # more cache than the model has positions for is waste
+        context = int(trained)
+    log.info("max_context: auto -> %d tokens (fits %s)", context, device.name)
+    export = manifest.export.model_copy(update={"max_context": context})
+    return manifest.model_copy(update={"export": export})
 
 
 def hf_name(checked: CheckedInputs) -> str:
