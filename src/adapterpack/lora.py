@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 
@@ -29,6 +29,33 @@ def _lora_layers(model: torch.nn.Module):
     return [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
 
 
+def _fused_weights(layers, original_weight: Callable[[str], torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """New weights W + delta for every LoRA layer, computed in float32 and stored in W's dtype.
+
+    The delta comes from peft (``get_delta_weight``: scaling, rsLoRA and rank/alpha patterns as
+    peft defines them). With a float16 base, W is re-read in its original precision via
+    ``original_weight`` so the sum is rounded once, exactly as merging a float32 base and
+    converting to float16 would. Returns None when a layer needs peft's own merge (DoRA, LoRA
+    biases, embeddings), which then runs instead.
+    """
+    fused = {}
+    for name, layer in layers:
+        base_layer = layer.get_base_layer()
+        if (
+            not isinstance(base_layer, torch.nn.Linear)
+            or any(getattr(layer, "use_dora", {}).values())
+            or any(getattr(layer, "lora_bias", {}).values())
+        ):
+            return None
+        module = name.removeprefix("base_model.model.")
+        weight = original_weight(module) if original_weight is not None else None
+        if weight is None or weight.shape != base_layer.weight.shape:
+            weight = base_layer.weight
+        delta = layer.get_delta_weight(ADAPTER_NAME).to(torch.float32)
+        fused[module] = (weight.to(torch.float32) + delta).to(base_layer.weight.dtype)
+    return fused
+
+
 @contextmanager
 def applied_adapter(
     base: torch.nn.Module,
@@ -36,11 +63,14 @@ def applied_adapter(
     *,
     mode: Literal["fuse", "keep", "unmerged"],
     scale: float = 1.0,
+    original_weight: Callable[[str], torch.Tensor] | None = None,
 ) -> Iterator[torch.nn.Module]:
     """Yield ``base`` with the adapter applied; restore ``base`` exactly on exit.
 
     ``fuse``: weights merged (plain ``nn.Linear`` layers). ``keep``/``unmerged``: peft LoRA layers
     left in the model (the peft reference used by tests and verification is ``unmerged``).
+    ``original_weight(module_name)`` returns a base weight in its stored precision (used when the
+    in-memory base is float16, so fusing rounds once).
     """
     from peft import PeftModel
 
@@ -63,19 +93,27 @@ def applied_adapter(
     try:
         if mode == "fuse":
             for name, layer in layers:
-                originals[name] = layer.get_base_layer().weight.detach().clone()
-            merged = peft_model.merge_and_unload(safe_merge=True)
+                originals[name.removeprefix("base_model.model.")] = layer.get_base_layer().weight.detach().clone()
+            with torch.no_grad():
+                fused = _fused_weights(layers, original_weight)
+                if fused is None:
+                    merged = peft_model.merge_and_unload(safe_merge=True)
+                else:
+                    merged = peft_model.unload()
+                    modules = dict(merged.named_modules())
+                    for module, weight in fused.items():
+                        modules[module].weight.copy_(weight)
+                    del fused
             yield merged
         else:
             yield peft_model.base_model.model
     finally:
         if mode == "fuse":
+            # The base layers are back under their own names, holding fused weights.
             modules = dict(base.named_modules())
-            for name, weight in originals.items():
-                # merge_and_unload put the (merged) base layers back under the same names.
-                target = modules[name.removeprefix("base_model.model.")]
-                with torch.no_grad():
-                    target.weight.copy_(weight)
+            with torch.no_grad():
+                for module, weight in originals.items():
+                    modules[module].weight.copy_(weight)
         else:
             peft_model.unload()
         # peft leaves its bookkeeping on the base; the next adapter must start from a clean model.

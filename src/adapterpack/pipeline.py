@@ -334,9 +334,10 @@ class _PartBuilder:
         self.checked = checked
         self.reporter = reporter
         with reporter.stage(f"load base {checked.manifest.base.path}"):
-            self.base = load_base(checked.base.folder)
+            self.base = load_base(checked.base.folder, dtype="float16")
 
     def build(self, name: str, target: Path) -> None:
+        from .base_model import stored_weight_reader
         from .compress import compress_model
         from .convert import convert_decoder
         from .lora import applied_adapter
@@ -350,7 +351,13 @@ class _PartBuilder:
             lora_compression = None
         else:
             mode = manifest.lora_mode(name)
-            context = applied_adapter(self.base, self.checked.adapters[name].folder, mode=mode, scale=float(adapter.scale))
+            context = applied_adapter(
+                self.base,
+                self.checked.adapters[name].folder,
+                mode=mode,
+                scale=float(adapter.scale),
+                original_weight=stored_weight_reader(self.checked.base),
+            )
             lora_compression = manifest.lora_compression if mode == "keep" else None
         with self.reporter.stage(f"{name}: convert"):
             with context as model:
@@ -363,10 +370,13 @@ class _PartBuilder:
             mlmodel.save(str(target))
 
     def close(self) -> None:
+        import gc
+
         from .compress import clear_palette_memo
 
         del self.base
         clear_palette_memo()
+        gc.collect()  # the float32 reference loaded by verify must not coexist with this copy
 
 
 def merge_parts(parts: list[tuple[dict, Path]], destination: Path) -> None:
