@@ -16,6 +16,25 @@ import torch
 MAX_ITERATIONS = 60
 
 
+def batched_searchsorted(rows: torch.Tensor, queries: torch.Tensor, *, right: bool) -> torch.Tensor:
+    """``torch.searchsorted`` for few queries per long sorted row, by a vectorized binary search.
+
+    torch's batched searchsorted costs time proportional to the rows' length per call here; this
+    takes ceil(log2(n + 1)) gathers of only (rows, queries) elements.
+    """
+    n_rows, n = rows.shape
+    low = torch.zeros(queries.shape, dtype=torch.long)
+    high = torch.full(queries.shape, n, dtype=torch.long)
+    for _ in range(max(1, n).bit_length()):
+        middle = (low + high) // 2
+        value = torch.gather(rows, 1, middle.clamp(max=n - 1))
+        go_right = (value <= queries) if right else (value < queries)
+        go_right &= middle < high
+        low = torch.where(go_right, middle + 1, low)
+        high = torch.where(go_right, high, middle)
+    return low
+
+
 def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) -> tuple[np.ndarray, np.ndarray]:
     """Palettize each row of ``groups`` (G, n): returns ``lut`` (G, 2**nbits) and ``indices`` (G, n) uint8.
 
@@ -24,7 +43,7 @@ def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) 
     data = torch.from_numpy(np.ascontiguousarray(groups, dtype=np.float32))
     n_groups, n = data.shape
     k = 1 << nbits
-    ordered, _ = torch.sort(data, dim=1)
+    ordered, permutation = torch.sort(data, dim=1)
     ordered64 = ordered.to(torch.float64)
     prefix = torch.zeros((n_groups, n + 1), dtype=torch.float64)
     prefix[:, 1:] = torch.cumsum(ordered64, dim=1)
@@ -37,7 +56,7 @@ def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) 
     ends = torch.full((n_groups, 1), n, dtype=torch.long)
     for _ in range(iterations):
         midpoints = (centroids[:, 1:] + centroids[:, :-1]) / 2
-        cuts = torch.searchsorted(ordered64, midpoints.contiguous(), right=False)
+        cuts = batched_searchsorted(ordered64, midpoints, right=False)
         bounds = torch.cat((starts, cuts, ends), dim=1)
         counts = bounds[:, 1:] - bounds[:, :-1]
         sums = torch.gather(prefix, 1, bounds[:, 1:]) - torch.gather(prefix, 1, bounds[:, :-1])
@@ -49,8 +68,16 @@ def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) 
         centroids = updated
 
     lut = centroids.to(torch.float32)
+    # Assign in sorted order (the label steps up at each cut), then scatter back to the original
+    # positions: O(n), instead of a binary search per value. A value equal to a midpoint goes to
+    # the lower cluster, as searchsorted(midpoints, value) would place it.
     midpoints = ((centroids[:, 1:] + centroids[:, :-1]) / 2).to(torch.float32).contiguous()
-    indices = torch.searchsorted(midpoints, data.contiguous(), right=False)
+    cuts = batched_searchsorted(ordered, midpoints, right=True)
+    steps = torch.zeros((n_groups, n + 1), dtype=torch.int16)
+    steps.scatter_add_(1, cuts, torch.ones_like(cuts, dtype=torch.int16))
+    labels_sorted = torch.cumsum(steps[:, :n], dim=1, dtype=torch.int16)
+    indices = torch.empty((n_groups, n), dtype=torch.int16)
+    indices.scatter_(1, permutation, labels_sorted)
 
     # Exact palettes where the values already fit: k-means would only blur them.
     distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1) + 1
