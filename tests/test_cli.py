@@ -55,7 +55,9 @@ def project(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def built(project) -> Path:
-    result = run("build", project / "tiny.yaml", "--quiet")
+    # Random tiny weights do not survive 4-bit palettization well enough for the verify
+    # thresholds (those are checked on real weights); this package is about structure.
+    result = run("build", project / "tiny.yaml", "--quiet", "--no-verify")
     assert result.returncode == 0, result.stderr
     return project / "out" / "tiny.mlpackage"
 
@@ -93,7 +95,7 @@ def test_package_is_deduplicated(project, tmp_path):
     """Shared weights are stored once: the package is smaller than its functions built alone."""
     from adapterpack.pipeline import build
 
-    result = build(project / "tiny.yaml", output=tmp_path / "dedup.mlpackage")
+    result = build(project / "tiny.yaml", output=tmp_path / "dedup.mlpackage", verify=False)
     alone = sum(result.part_sizes.values())
     assert len(result.part_sizes) == 3
     # chat and code each change only part of the weights; the embeddings, the untouched layers
@@ -120,7 +122,7 @@ def test_swift_enum(built):
 
 def test_existing_output_needs_force(built, project):
     before = built.stat().st_mtime_ns
-    refused = run("build", project / "tiny.yaml", "--quiet")
+    refused = run("build", project / "tiny.yaml", "--quiet", "--no-verify")
     assert refused.returncode == 2
     assert "--force" in refused.stderr
     assert built.stat().st_mtime_ns == before

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-MAX_ITERATIONS = 60
+MAX_ITERATIONS = 256  # Lloyd from quantiles converges in ~250 steps on Gaussian-like weights
 
 
 def batched_searchsorted(rows: torch.Tensor, queries: torch.Tensor, *, right: bool) -> torch.Tensor:
@@ -35,6 +35,18 @@ def batched_searchsorted(rows: torch.Tensor, queries: torch.Tensor, *, right: bo
     return low
 
 
+def _sort_rows(groups: np.ndarray, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row sorted, with the permutation. float16 rows (what Core ML weights are) sort as
+    16-bit integer keys, which numpy radix-sorts in linear time: about 2.5x torch.sort here."""
+    if groups.dtype != np.float16:
+        return torch.sort(data, dim=1)
+    bits = np.ascontiguousarray(groups).view(np.uint16)
+    # Order-preserving key: flip all bits of negatives, set the sign bit of positives.
+    keys = np.where(bits & 0x8000, ~bits, bits | 0x8000).astype(np.uint16)
+    permutation = torch.from_numpy(np.argsort(keys, axis=1, kind="stable"))
+    return torch.gather(data, 1, permutation), permutation
+
+
 def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) -> tuple[np.ndarray, np.ndarray]:
     """Palettize each row of ``groups`` (G, n): returns ``lut`` (G, 2**nbits) and ``indices`` (G, n) uint8.
 
@@ -43,7 +55,7 @@ def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) 
     data = torch.from_numpy(np.ascontiguousarray(groups, dtype=np.float32))
     n_groups, n = data.shape
     k = 1 << nbits
-    ordered, permutation = torch.sort(data, dim=1)
+    ordered, permutation = _sort_rows(groups, data)
     ordered64 = ordered.to(torch.float64)
     prefix = torch.zeros((n_groups, n + 1), dtype=torch.float64)
     prefix[:, 1:] = torch.cumsum(ordered64, dim=1)
