@@ -954,7 +954,9 @@ def _untrained_targets(base: BaseInfo, config: dict, present: set[str]) -> list[
 
 
 @_os_errors_as_bad_input
-def inspect_adapter(folder: Path, base: BaseInfo, *, allow_pickle: bool = False) -> AdapterInfo:
+def inspect_adapter(
+    folder: Path, base: BaseInfo, *, allow_pickle: bool = False, base_names: tuple[str, ...] = ()
+) -> AdapterInfo:
     """Validate a peft LoRA adapter folder and check that every tensor applies to ``base``.
 
     Every key must name a module of the base with matching shapes and the rank peft would
@@ -1014,7 +1016,8 @@ def inspect_adapter(folder: Path, base: BaseInfo, *, allow_pickle: bool = False)
 
     warnings: list[str] = []
     named = config.get("base_model_name_or_path")
-    if isinstance(named, str) and named and not _same_base(named, base.source):
+    known = (base.source, *base_names)
+    if isinstance(named, str) and named and not any(_same_base(named, name) for name in known):
         warnings.append(
             f"{config_file}: base_model_name_or_path is '{named}' but the manifest's base is "
             f"'{base.source}'; the shapes match, check it is the intended base"

@@ -104,7 +104,9 @@ def check_inputs(
     check_family(base.config, base.folder / "config.json")
     adapters = {}
     for adapter in manifest.adapters:
-        info = inspect_adapter(manifest.adapter_path(adapter), base, allow_pickle=allow_pickle)
+        # The hub id the tokenizer is named by is also a name of the base.
+        aliases = tuple(filter(None, [manifest.base.tokenizer, base.config.get("_name_or_path")]))
+        info = inspect_adapter(manifest.adapter_path(adapter), base, allow_pickle=allow_pickle, base_names=aliases)
         mode = manifest.lora_mode(adapter.name)
         if mode == "keep" and info.uses_dora:
             raise BadInput(

@@ -265,7 +265,7 @@ def verify_package(
     for name in expected:
         adapter = manifest.adapter(name)
         compression = manifest.compression_for(name)
-        thresholds = settings.thresholds_for(compression.method)
+        thresholds = settings.thresholds_for(compression)
         if adapter is None:
             reference = base_reference
         else:
