@@ -55,9 +55,26 @@ def _configure_logging(quiet: bool) -> None:
         silence_libraries()
 
 
+_interrupted = False
+
+
+def _on_sigint(signum, frame) -> None:
+    # Remember the interrupt: libraries (torch.jit) may wrap the KeyboardInterrupt in their own
+    # error type on its way out, and Ctrl-C must still exit 130.
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def error_boundary() -> Iterator[None]:
     """Turn every failure into one line on stderr and a documented exit code."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread (e.g. under a test runner's worker)
+        pass
     try:
         yield
     except AdapterpackError as error:
@@ -84,6 +101,9 @@ def error_boundary() -> Iterator[None]:
         err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except Exception as error:  # noqa: BLE001 - the one place that catches everything
+        if _interrupted:
+            err.print("interrupted", highlight=False)
+            raise typer.Exit(130) from None
         if _debug():
             raise
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""

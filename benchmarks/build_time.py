@@ -1,0 +1,209 @@
+"""Build time and peak memory: adapterpack vs the straightforward per-function pipeline.
+
+The straightforward pipeline, for every function: load the float32 base, merge the adapter with
+peft, trace (with adapterpack's export forward: transformers' own forward does not convert),
+``ct.convert``, palettize with coremltools' k-means, save; then merge with
+``MultiFunctionDescriptor``. adapterpack: ``adapterpack build`` (base loaded once, float16,
+vectorized deterministic palettization, shared palettes, parts cache). Both get the same inputs
+in one run; the report gives seconds, peak RSS, package sizes and ratios, and the rebuild after
+one adapter changed.
+
+    .venv/bin/python benchmarks/build_time.py                       # ~25M-parameter Llama, 4 adapters
+    .venv/bin/python benchmarks/build_time.py --shape 1b --baseline-timeout 1800
+
+Each build runs in its own process (peak RSS is that process's high-water mark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+SHAPES = {
+    # ~25M parameters: a small Llama with GQA and untied embeddings.
+    "25m": dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False),
+    # The published Llama-3.2-1B shape (random weights).
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+ADAPTERS = ("a1", "a2", "a3", "a4")
+
+
+def make_inputs(root: Path, shape: str) -> Path:
+    """Base (float16 safetensors, as published models are), 4 LoRA adapters on q/k/v/o, manifest."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (root / "m.yaml").exists():
+        return root / "m.yaml"
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=2048, **SHAPES[shape])
+    model = LlamaForCausalLM(config).to(torch.float16)
+    model.save_pretrained(root / "base", safe_serialization=True)
+    for index, name in enumerate(ADAPTERS):
+        peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        generator = torch.Generator().manual_seed(index + 1)
+        with torch.no_grad():
+            for key, parameter in peft_model.named_parameters():
+                if "lora_B" in key:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.01)
+        peft_model.save_pretrained(root / name)
+        model = peft_model.unload()
+    (root / "m.yaml").write_text(textwrap.dedent(f"""\
+        name: bench
+        base: {{path: base}}
+        adapters:
+        {chr(10).join(f'  - {{name: {n}, path: {n}}}' for n in ADAPTERS)}
+        export: {{max_context: 256}}
+        compression: {{method: palettize, nbits: 4, granularity: per_grouped_channel, group_size: 16}}
+        """))
+    return root / "m.yaml"
+
+
+BASELINE = r'''
+import sys, time, gc
+from pathlib import Path
+import numpy as np, torch
+sys.path.insert(0, sys.argv[3])
+from adapterpack.quiet import captured_output, import_coremltools
+from adapterpack.export_decoder import ExportDecoder
+sys.path.insert(0, sys.argv[4])
+from palettize_throughput import install_kmeans1d_shim
+ct = import_coremltools()
+from coremltools.optimize import coreml as cto
+from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+install_kmeans1d_shim()
+root, out = Path(sys.argv[1]), Path(sys.argv[2])
+names = ["a1", "a2", "a3", "a4"]
+parts = out.parent / "baseline_parts"
+parts.mkdir(parents=True, exist_ok=True)
+config = cto.OptimizationConfig(global_config=cto.OpPalettizerConfig(mode="kmeans", nbits=4,
+    granularity="per_grouped_channel", group_size=16, weight_threshold=2048))
+for name in names:
+    model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, root / name).merge_and_unload().eval()
+    decoder = ExportDecoder(model, 256).eval()
+    example = (torch.zeros((1, 2), dtype=torch.int32), torch.zeros((1, 1, 2, 5)))
+    with torch.no_grad(), captured_output():
+        traced = torch.jit.trace(decoder, example, check_trace=False)
+    rng = ct.RangeDim(1, 256, default=1)
+    with captured_output():
+        ml = ct.convert(traced, inputs=[ct.TensorType("inputIds", shape=(1, rng), dtype=np.int32),
+            ct.TensorType("causalMask", shape=(1, 1, ct.RangeDim(1, 256, default=1), ct.RangeDim(1, 256, default=1)), dtype=np.float16)],
+            outputs=[ct.TensorType("logits", dtype=np.float16)],
+            states=[ct.StateType(wrapped_type=ct.TensorType(shape=decoder.keyCache.shape, dtype=np.float16), name=n) for n in ("keyCache", "valueCache")],
+            minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT16, skip_model_load=True)
+        del traced, decoder, model; gc.collect()
+        ml = cto.palettize_weights(ml, config=config)
+        ml.save(str(parts / f"{name}.mlpackage"))
+    del ml; gc.collect()
+    print(f"baseline {name} done", flush=True)
+desc = MultiFunctionDescriptor()
+for name in names:
+    desc.add_function(str(parts / f"{name}.mlpackage"), src_function_name="main", target_function_name=name)
+desc.default_function_name = names[0]
+with captured_output():
+    save_multifunction(desc, str(out))
+'''
+
+
+def peak_rss_of(command: list[str], timeout: float | None) -> dict:
+    """Seconds, peak RSS (GiB, the process's high-water mark) and whether ``command`` finished."""
+    wrapper = [PYTHON, "-c", (
+        "import resource, subprocess, sys, json;"
+        "r = subprocess.run(sys.argv[1:]);"
+        "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)"
+    ), *command]
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(wrapper, capture_output=True, text=True, timeout=timeout)
+        finished = True
+        line = next((l for l in result.stdout.splitlines() if l.startswith("PEAK")), "PEAK 0 1")
+        _, kib, code = line.split()
+        finished = code == "0"
+        if not finished:
+            print(result.stdout[-3000:], result.stderr[-3000:], file=sys.stderr)
+        peak = int(kib) / 2**20
+    except subprocess.TimeoutExpired:
+        finished, peak = False, float("nan")
+    return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_gib": round(peak, 2), "finished": finished}
+
+
+def size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="25m")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/adapterpack-bench"))
+    parser.add_argument("--baseline-timeout", type=float, default=None, help="cut the baseline off after N seconds")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    root = args.work / args.shape
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = make_inputs(root, args.shape)
+    cli = [str(Path(PYTHON).parent / "adapterpack")]
+    figures: dict = {"shape": args.shape}
+
+    for stale in (root / "out", root / ".adapterpack-cache"):
+        shutil.rmtree(stale, ignore_errors=True)
+    ours = root / "out" / "ours.mlpackage"
+    figures["adapterpack_full"] = peak_rss_of(
+        [*cli, "build", str(manifest), "-o", str(ours), "--no-verify", "--quiet", "--cache-dir", str(root / "out" / "cache")], None)
+    figures["adapterpack_bytes"] = size(ours)
+
+    # Rebuild after one adapter changed: a new a2 (different B), everything else cached.
+    from safetensors.torch import load_file, save_file
+
+    weights = root / "a2" / "adapter_model.safetensors"
+    original = weights.read_bytes()
+    tensors = load_file(weights)
+    save_file({k: v + 0.001 if "lora_B" in k else v for k, v in tensors.items()}, weights)
+    try:
+        figures["adapterpack_rebuild_one"] = peak_rss_of(
+            [*cli, "build", str(manifest), "-o", str(ours), "--no-verify", "--quiet", "--force",
+             "--cache-dir", str(root / "out" / "cache")], None)
+    finally:
+        weights.write_bytes(original)
+    figures["rebuild_over_full"] = round(figures["adapterpack_rebuild_one"]["seconds"] / figures["adapterpack_full"]["seconds"], 3)
+
+    if not args.skip_baseline:
+        script = root / "baseline.py"
+        script.write_text(BASELINE)
+        baseline_out = root / "out" / "baseline.mlpackage"
+        figures["baseline_full"] = peak_rss_of(
+            [PYTHON, str(script), str(root), str(baseline_out), str(REPO / "src"), str(REPO / "benchmarks")],
+            args.baseline_timeout)
+        figures["baseline_bytes"] = size(baseline_out)
+        if figures["baseline_full"]["finished"]:
+            figures["speedup"] = round(figures["baseline_full"]["seconds"] / figures["adapterpack_full"]["seconds"], 2)
+            figures["size_ratio"] = round(figures["adapterpack_bytes"] / figures["baseline_bytes"], 3)
+        else:
+            figures["speedup"] = f">{round(figures['baseline_full']['seconds'] / figures['adapterpack_full']['seconds'], 2)} (baseline cut off)"
+
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
