@@ -15,6 +15,8 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import logging
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -32,7 +34,15 @@ LORA_PATTERNS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 WEIGHT_THRESHOLD = 2048
 
 _palette_memo: dict[tuple[bytes, int, str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
-_MEMO_LIMIT_BYTES = 2 << 30
+_palette_cache_dir: Path | None = None
+# Bump when the k-means changes, so palettes cached on disk by an older version are not reused.
+PALETTE_ALGORITHM = "kmeans1d-quantile-lloyd-v1"
+
+
+def set_palette_cache(folder: Path | None) -> None:
+    """Keep palettes on disk in ``folder`` (keyed by tensor content and settings) across builds."""
+    global _palette_cache_dir
+    _palette_cache_dir = Path(folder) if folder is not None else None
 
 
 def _memoized_palette(group: np.ndarray, nbits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -41,8 +51,7 @@ def _memoized_palette(group: np.ndarray, nbits: int) -> tuple[np.ndarray, np.nda
     if found is None:
         log.debug("palette memo miss for a group of shape %s", group.shape)
         found = palettize_group(group, nbits)
-        if sum(v[1].nbytes for v in _palette_memo.values()) < _MEMO_LIMIT_BYTES:
-            _palette_memo[key] = found
+        _palette_memo[key] = found
     return found[0].copy(), found[1].copy()
 
 
@@ -63,8 +72,6 @@ def prime_palettes(weights: dict[str, np.ndarray], compression: Compression) -> 
     channels, axis 0); anything it splits differently is simply clustered on demand.
     Returns the number of groups primed.
     """
-    from .palettize import kmeans_1d
-
     nbits = compression.nbits
     primed = 0
     for value in weights.values():
@@ -75,18 +82,40 @@ def prime_palettes(weights: dict[str, np.ndarray], compression: Compression) -> 
             continue
         group_shape = (rows, *value.shape[1:])
         flat = np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
-        step = max(1, _PRIME_BATCH_VALUES // flat.shape[1])
-        for start in range(0, flat.shape[0], step):
-            chunk = flat[start : start + step]
-            luts, indices = kmeans_1d(chunk, nbits)
-            for row in range(chunk.shape[0]):
-                group = chunk[row].reshape(group_shape)
-                _palette_memo[_group_key(group, nbits)] = (
-                    luts[row].astype(value.dtype),
-                    indices[row].reshape(group_shape),
-                )
-                primed += 1
+        luts, indices = _tensor_palettes(flat, nbits)
+        for row in range(flat.shape[0]):
+            group = flat[row].reshape(group_shape)
+            _palette_memo[_group_key(group, nbits)] = (luts[row].astype(value.dtype), indices[row].reshape(group_shape))
+            primed += 1
     return primed
+
+
+def _tensor_palettes(flat: np.ndarray, nbits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Palettes of every row of ``flat`` (one row per channel group): from the disk cache when a
+    previous build clustered the same values, else computed in batches (and cached)."""
+    from .palettize import kmeans_1d
+
+    cached = None
+    if _palette_cache_dir is not None:
+        digest = hashlib.blake2b(flat.tobytes(), digest_size=20)
+        digest.update(f"{flat.shape}|{flat.dtype}|{nbits}|{PALETTE_ALGORITHM}".encode())
+        cached = _palette_cache_dir / f"{digest.hexdigest()}.npz"
+        if cached.is_file():
+            try:
+                with np.load(cached) as stored:
+                    return stored["luts"], stored["indices"]
+            except (OSError, ValueError, KeyError):
+                cached.unlink(missing_ok=True)
+    step = max(1, _PRIME_BATCH_VALUES // flat.shape[1])
+    parts = [kmeans_1d(flat[start : start + step], nbits) for start in range(0, flat.shape[0], step)]
+    luts = np.concatenate([p[0] for p in parts])
+    indices = np.concatenate([p[1] for p in parts])
+    if cached is not None:
+        _palette_cache_dir.mkdir(parents=True, exist_ok=True)
+        temporary = cached.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(temporary, luts=luts, indices=indices)
+        os.replace(temporary, cached)
+    return luts, indices
 
 
 def clear_palette_memo() -> None:

@@ -101,7 +101,8 @@ class PartCache:
         (self.folder / f"{key}{PART_SUFFIX}").write_text(json.dumps(record, indent=2, sort_keys=True))
 
     def prune(self, manifest_name: str, keep: set[str]) -> None:
-        """Drop this manifest's entries that the latest build no longer uses."""
+        """Drop this manifest's entries that the latest build no longer uses (palettes are kept:
+        a rebuild after changing an adapter needs the base's palettes)."""
         if not self.folder.is_dir():
             return
         for record_file in self.folder.glob(f"*{PART_SUFFIX}"):

@@ -295,9 +295,11 @@ def build_parts(
     Returns the parts as (record, package path) and the names of the functions reused from the
     cache. The base is loaded only if some part has to be built.
     """
+    from .compress import set_palette_cache
     from .parts import part_key, part_record, place
 
     manifest = checked.manifest
+    set_palette_cache(cache.folder / "palettes" if cache is not None else None)
     folder.mkdir(parents=True, exist_ok=True)
     names = only or manifest.function_names
     name_for_client = hf_name(checked)
@@ -324,6 +326,7 @@ def build_parts(
     finally:
         if builder is not None:
             builder.close()
+        set_palette_cache(None)
     return parts, reused
 
 
