@@ -8,6 +8,7 @@ vectorized deterministic palettization, shared palettes, parts cache). Both get 
 in one run; the report gives seconds, peak RSS, package sizes and ratios, and the rebuild after
 one adapter changed.
 
+    .venv/bin/pip install -e ".[bench]"                              # the baseline's k-means needs these
     .venv/bin/python benchmarks/build_time.py                       # ~25M-parameter Llama, 4 adapters
     .venv/bin/python benchmarks/build_time.py --shape 1b --baseline-timeout 1800
 
@@ -22,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -63,14 +63,12 @@ def make_inputs(root: Path, shape: str) -> Path:
                     parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.01)
         peft_model.save_pretrained(root / name)
         model = peft_model.unload()
-    (root / "m.yaml").write_text(textwrap.dedent(f"""\
-        name: bench
-        base: {{path: base}}
-        adapters:
-        {chr(10).join(f'  - {{name: {n}, path: {n}}}' for n in ADAPTERS)}
-        export: {{max_context: 256}}
-        compression: {{method: palettize, nbits: 4, granularity: per_grouped_channel, group_size: 16}}
-        """))
+    adapters = "".join(f"  - {{name: {n}, path: {n}}}\n" for n in ADAPTERS)
+    (root / "m.yaml").write_text(
+        "name: bench\nbase: {path: base}\nadapters:\n" + adapters
+        + "export: {max_context: 256}\n"
+        + "compression: {method: palettize, nbits: 4, granularity: per_grouped_channel, group_size: 16}\n"
+    )
     return root / "m.yaml"
 
 

@@ -89,3 +89,48 @@ def test_zero_adapter_follows_base_and_random_adapter_does_not(family_build):
     base = logits("base").astype(np.float32)
     np.testing.assert_allclose(logits("zero").astype(np.float32), base, atol=2e-3)
     assert np.abs(logits("rs").astype(np.float32) - base).max() > 0.05
+
+
+def test_family_op_types_all_have_executor_tests(family_build):
+    from test_executor import TESTED_OPS
+
+    _, result = family_build
+    executor = ProgramExecutor.load(result.output)
+    for function in executor.function_names:
+        assert not executor.op_types(function) - TESTED_OPS, (function, executor.op_types(function) - TESTED_OPS)
+
+
+@pytest.mark.parametrize(
+    "compression, lora",
+    [
+        ("{method: linear, nbits: 4}", "fuse"),
+        ("{method: linear, nbits: 8, granularity: per_channel}", "keep"),
+        ("{method: prune, sparsity: 0.4}", "fuse"),
+        ("{method: palettize, nbits: 4}", "keep"),
+    ],
+)
+def test_compressed_packages_run_and_their_ops_are_tested(tmp_path, compression, lora):
+    """Every compression (and keep mode's LoRA branch) emits only ops the executor has tests for."""
+    from test_executor import TESTED_OPS
+
+    make_base(tmp_path / "base", "qwen2", hidden_size=128, intermediate_size=256)
+    make_adapter(tmp_path / "a", tmp_path / "base", std=0.1, r=16, targets=("q_proj", "v_proj", "down_proj"))
+    (tmp_path / "m.yaml").write_text(
+        f"name: c\nbase: {{path: base}}\nadapters: [{{name: a, path: a}}]\ninclude_base: b\nlora: {lora}\n"
+        f"export: {{max_context: 16}}\ncompression: {compression}\n"
+        "lora_compression: {method: linear, nbits: 8, granularity: per_channel}\n"
+    )
+    result = build(tmp_path / "m.yaml", output=tmp_path / "c.mlpackage", verify=False)
+    executor = ProgramExecutor.load(result.output)
+    constexprs = set()
+    for function in executor.function_names:
+        ops = executor.op_types(function)
+        assert not ops - TESTED_OPS, (function, ops - TESTED_OPS)
+        constexprs |= {op for op in ops if op.startswith("constexpr_")}
+        state = executor.make_state(function)
+        logits = executor.predict(
+            {"inputIds": np.array([[1, 2, 3]], np.int32), "causalMask": np.zeros((1, 1, 1, 3), np.float16)},
+            state=state, function=function,
+        )["logits"]
+        assert np.all(np.isfinite(logits))
+    assert constexprs, "the package must contain compressed weights"

@@ -59,6 +59,16 @@ def test_demo_functions_write_differently(demo):
     assert len(set(samples.values())) >= 3, samples
 
 
+def test_demo_op_types_all_have_executor_tests(demo):
+    from test_executor import TESTED_OPS
+
+    executor = ProgramExecutor.load(demo.output)
+    for function in executor.function_names:
+        untested = executor.op_types(function) - TESTED_OPS
+        assert not untested, (function, untested)
+    assert "constexpr_lut_to_dense" in executor.op_types("code")
+
+
 def test_demo_metadata_names_the_tokenizer(demo):
     from adapterpack.functions import read_functions
 
