@@ -258,14 +258,14 @@ def inspect_package(package: Path | str) -> PackageReport:
     for name in referenced_files:
         if name not in files:
             raise BadInput(f"{package}: the model references {name}, which is missing")
-        records.update({(name, r.offset): r for r in _read_records(package, name)})
+        records.update({(name, r.offset): r for r in read_blob_records(package, name)})
         weight_files.append(name)
     weights_folder = (model_folder / "weights").relative_to(package).as_posix() + "/"
     for name in files:
         # A blob file no function names is still weight storage: count it as such when it parses.
         if name.startswith(weights_folder) and name not in weight_files:
             try:
-                found = _read_records(package, name)
+                found = read_blob_records(package, name)
             except BadInput:
                 continue
             records.update({(name, r.offset): r for r in found})
@@ -491,7 +491,7 @@ def _blob_uses(spec, function: str, package: Path, model_folder: Path) -> list[_
 # -- the weight blob ----------------------------------------------------------------------------
 
 
-def _read_records(package: Path, name: str) -> list[BlobRecord]:
+def read_blob_records(package: Path, name: str) -> list[BlobRecord]:
     """Every record of one blob file, checked against the storage format; BadInput when malformed."""
     path = package / name
     size = path.stat().st_size

@@ -318,7 +318,7 @@ def build_parts(
                 reused.append(name)
             else:
                 if builder is None:
-                    builder = _PartBuilder(checked, reporter)
+                    builder = _PartBuilder(checked, reporter, folder, cache)
                 builder.build(name, target)
                 if cache is not None:
                     cache.put(key, target, record)
@@ -331,31 +331,115 @@ def build_parts(
 
 
 class _PartBuilder:
-    """Loads the base once and turns one function at a time into a compressed part."""
+    """Loads the base once, converts it once, and turns one function at a time into a part.
 
-    def __init__(self, checked: CheckedInputs, reporter: Reporter):
+    The base function and every fused function start from the converted base (the template):
+    fused ones get their changed weights patched into a copy (``weight_patch.py``), so the model
+    is traced and converted once per build instead of once per function. Keep-mode functions
+    (a different graph) and anything the patch cannot match exactly are converted on their own.
+    """
+
+    def __init__(self, checked: CheckedInputs, reporter: Reporter, workdir: Path, cache=None):
         from .base_model import load_base
 
         self.checked = checked
         self.reporter = reporter
+        self.workdir = workdir
+        self.cache = cache
+        self._template: Path | None = None
         with reporter.stage(f"load base {checked.manifest.base.path}"):
             self.base = load_base(checked.base.folder, dtype="float16")
 
-    def build(self, name: str, target: Path) -> None:
-        from .base_model import stored_weight_reader
-        from .compress import compress_model
+    def _convert(self, model):
         from .convert import convert_decoder
-        from .lora import applied_adapter
+
+        export = self.checked.manifest.export
+        return convert_decoder(model, max_context=export.max_context, target=export.deployment_target)
+
+    def template(self) -> Path:
+        """The base converted once, uncompressed (cached across builds beside the parts)."""
+        if self._template is not None:
+            return self._template
+        from .parts import part_key, place
         from .quiet import captured_output
 
+        record = {"template": 1, **{k: v for k, v in self._base_record().items()}}
+        key = part_key(record)
+        cached = self.cache.folder / "templates" / f"{key}.mlpackage" if self.cache is not None else None
+        path = self.workdir / ".template.mlpackage"
+        if cached is not None and cached.is_dir():
+            place(cached, path)
+        else:
+            with self.reporter.stage("base: trace and convert (once for all functions)"):
+                mlmodel = self._convert(self.base)
+                with captured_output():
+                    mlmodel.save(str(path))
+                del mlmodel
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                place(path, cached)
+        self._template = path
+        return path
+
+    def _base_record(self) -> dict:
+        from .merge import library_versions
+
+        manifest = self.checked.manifest
+        return {
+            "base": self.checked.base.content_hash,
+            "max_context": manifest.export.max_context,
+            "deployment_target": manifest.export.deployment_target,
+            "versions": library_versions(),
+        }
+
+    def _fused_from_template(self, name: str, adapter, folder: Path) -> Path | None:
+        """A copy of the template with the adapter's fused weights patched in, or None."""
+        from .base_model import stored_weight_reader
+        from .lora import applied_adapter
+        from .weight_patch import patch_weights
+
+        targets = self.checked.adapters[name].target_modules
+        modules = dict(self.base.named_modules())
+        if any(not hasattr(modules.get(t), "weight") for t in targets):
+            return None
+        originals = {t: modules[t].weight.detach().numpy().copy() for t in targets}
+        with applied_adapter(
+            self.base,
+            self.checked.adapters[name].folder,
+            mode="fuse",
+            scale=float(adapter.scale),
+            original_weight=stored_weight_reader(self.checked.base),
+        ) as model:
+            fused_modules = dict(model.named_modules())
+            replacements = [(originals[t], fused_modules[t].weight.detach().numpy().copy()) for t in targets]
+        template = self.template()
+        destination = self.workdir / f".{name}.patched.mlpackage"
+        return destination if patch_weights(template, destination, replacements) else None
+
+    def build(self, name: str, target: Path) -> None:
+        import shutil
+
+        from .base_model import stored_weight_reader
+        from .compress import compress_model
+        from .lora import applied_adapter
+        from .quiet import captured_output, import_coremltools
+
+        ct = import_coremltools()
         manifest = self.checked.manifest
         adapter = manifest.adapter(name)
         compression = manifest.compression_for(name)
+        mode = manifest.lora_mode(name) if adapter is not None else None
+        lora_compression = manifest.lora_compression if mode == "keep" else None
+        source: Path | None = None
         if adapter is None:
-            context = contextlib.nullcontext(self.base)
-            lora_compression = None
+            source = self.template()
+        elif mode == "fuse":
+            with self.reporter.stage(f"{name}: fuse into the converted base"):
+                source = self._fused_from_template(name, adapter, self.checked.adapters[name].folder)
+        if source is not None:
+            with captured_output():
+                mlmodel = ct.models.MLModel(str(source), skip_model_load=True)
         else:
-            mode = manifest.lora_mode(name)
             context = applied_adapter(
                 self.base,
                 self.checked.adapters[name].folder,
@@ -363,23 +447,26 @@ class _PartBuilder:
                 scale=float(adapter.scale),
                 original_weight=stored_weight_reader(self.checked.base),
             )
-            lora_compression = manifest.lora_compression if mode == "keep" else None
-        with self.reporter.stage(f"{name}: convert"):
-            with context as model:
-                mlmodel = convert_decoder(
-                    model, max_context=manifest.export.max_context, target=manifest.export.deployment_target
-                )
+            with self.reporter.stage(f"{name}: trace and convert"):
+                with context as model:
+                    mlmodel = self._convert(model)
         with self.reporter.stage(f"{name}: compress ({compression.describe()})"):
             mlmodel = compress_model(mlmodel, compression, lora_compression)
         with captured_output():
             mlmodel.save(str(target))
+        del mlmodel
+        if source is not None and source != self._template:
+            shutil.rmtree(source, ignore_errors=True)
 
     def close(self) -> None:
         import gc
+        import shutil
 
         from .compress import clear_palette_memo
 
         del self.base
+        if self._template is not None:
+            shutil.rmtree(self._template, ignore_errors=True)
         clear_palette_memo()
         gc.collect()  # the float32 reference loaded by verify must not coexist with this copy
 
