@@ -67,7 +67,9 @@ def make_inputs(root: Path, shape: str) -> Path:
     (root / "m.yaml").write_text(
         "name: bench\nbase: {path: base}\nadapters:\n" + adapters
         + "export: {max_context: 256}\n"
-        + "compression: {method: palettize, nbits: 4, granularity: per_grouped_channel, group_size: 16}\n"
+        # Everything palettized, embeddings included, exactly as the baseline does it.
+        + "compression: {method: palettize, nbits: 4, granularity: per_grouped_channel, group_size: 16,"
+        + " keep_float16: []}\n"
     )
     return root / "m.yaml"
 
