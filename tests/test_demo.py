@@ -53,8 +53,10 @@ def greedy(executor: ProgramExecutor, function: str, prompt: str, steps: int = 2
 
 def test_demo_functions_write_differently(demo):
     executor = ProgramExecutor.load(demo.output)
+    # The Zen's pattern (6-bit weights may pick another line of it than float16 does).
     zen = greedy(executor, "zen", "Beautiful is")
-    assert zen.startswith(" better than ugly"), zen
+    assert zen.startswith(" better than"), zen
+    assert not greedy(executor, "base", "Beautiful is").startswith(" better than")
     samples = {name: greedy(executor, name, "def ", steps=40) for name in ("code", "docs", "zen", "base")}
     assert len(set(samples.values())) >= 3, samples
 
@@ -95,3 +97,29 @@ def test_demo_float16_matches_torch(tmp_path):
     for function in result.verify_report.functions:
         assert function.cosine > 0.9999 and function.top1 == 1.0, function
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+
+
+def test_demo_keep_mode_stores_the_base_once(tmp_path):
+    """Three unfused skills weigh little more than the base alone: the base weights are shared."""
+    import yaml
+
+    from adapterpack.inspect_package import inspect_package
+
+    keep = build(REPO / "manifests" / "demo-keep.yaml", output=tmp_path / "keep.mlpackage", cache_dir=tmp_path / "c")
+    data = yaml.safe_load((REPO / "manifests" / "demo-keep.yaml").read_text())
+    data.update(adapters=[], include_base="base", default_function="base", name="demo-base-only")
+    base_manifest = REPO / "manifests" / ".demo-base-only.yaml"
+    base_manifest.write_text(yaml.safe_dump(data))
+    try:
+        alone = build(base_manifest, output=tmp_path / "base.mlpackage", cache_dir=tmp_path / "c", verify=False)
+    finally:
+        base_manifest.unlink()
+    assert keep.verify_report.passed, keep.verify_report.verdict()
+    weights = "Data/com.apple.CoreML/weights/weight.bin"
+    keep_blob = (keep.output / weights).stat().st_size
+    base_blob = (alone.output / weights).stat().st_size
+    assert keep_blob <= 1.10 * base_blob, (keep_blob, base_blob)
+    report = inspect_package(keep.output)
+    for name in ("code", "docs", "zen"):
+        function = report.function(name)
+        assert function.unique_bytes < 0.1 * function.shared_bytes, (name, function.unique_bytes, function.shared_bytes)
