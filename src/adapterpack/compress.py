@@ -200,10 +200,16 @@ def compress_model(mlmodel, compression: Compression, lora_compression: Compress
         }
         if compression.method == "palettize":
             prime_palettes({n: v for n, v in values.items() if n not in excluded}, compression)
+        # coremltools loads its own copy of the weights: drop ours first (a 1B model's float16
+        # weights are 2.5 GB).
+        values.clear()
         config = cto.OptimizationConfig(global_config=op_config, op_name_configs=excluded)
         log.debug("compressing with %s; kept float16: %s", compression.describe(), sorted(excluded))
         with captured_output():
             mlmodel = apply(mlmodel, config=config)
+        if _palette_cache_dir is not None:
+            # Palettes are on disk now; the next function reloads what it shares in a moment.
+            clear_palette_memo()
     del values
     if lora_compression.method != "none" and lora_names:
         op_config, apply = _op_config(lora_compression)
