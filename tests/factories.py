@@ -6,7 +6,6 @@ Like mergekit's ``make_picollama``: small enough to build in seconds, shaped lik
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -92,10 +91,12 @@ def make_adapter(
     return folder
 
 
-def write_manifest(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
+def tree_digest(path: Path) -> str:
+    """sha256 over a folder's file names and bytes (a package is a folder)."""
+    import hashlib
 
-
-def deepcopy_model(model):
-    return copy.deepcopy(model)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(path).as_posix().encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()

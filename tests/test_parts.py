@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 from adapterpack.errors import BadInput
 from adapterpack.functions import read_functions
 from adapterpack.pipeline import build, build_function_part, merge_from_parts
-from factories import make_adapter, make_base
+from factories import make_adapter, make_base, tree_digest
 
 MANIFEST = """name: parts
 base: {path: base}
@@ -23,14 +22,6 @@ include_base: base
 export: {max_context: 32}
 compression: {method: palettize}
 """
-
-
-def tree_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(file.relative_to(path).as_posix().encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import make_adapter, make_base
+from factories import make_adapter, make_base, tree_digest
 
 CLI = [sys.executable, "-m", "adapterpack"]
 MANIFEST = """name: rel
@@ -29,14 +28,6 @@ compression: {method: none}
 def run(*args, **kwargs) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=600, **kwargs)
-
-
-def digest_tree(path: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(file.relative_to(path).as_posix().encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +78,10 @@ def test_zip_entries_are_normalized(first_release):
 
 
 def test_existing_release_needs_force(project, first_release):
-    before = digest_tree(first_release)
+    before = tree_digest(first_release)
     refused = run("release", project / "rel.yaml", "--out-dir", first_release)
     assert refused.returncode == 2 and "--force" in refused.stderr
-    assert digest_tree(first_release) == before
+    assert tree_digest(first_release) == before
 
 
 def _start_build_and_wait_for_staging(project: Path, output: Path) -> subprocess.Popen:
@@ -115,7 +106,7 @@ def test_interrupted_build_leaves_previous_output_intact(project, tmp_path, how)
     output = tmp_path / "pkg.mlpackage"
     first = run("build", project / "rel.yaml", "-o", output, "--no-verify", "--quiet")
     assert first.returncode == 0, first.stderr
-    before = digest_tree(output)
+    before = tree_digest(output)
 
     process = _start_build_and_wait_for_staging(project, output)
     process.send_signal(signal.SIGINT if how == "SIGINT" else signal.SIGKILL)
@@ -127,7 +118,7 @@ def test_interrupted_build_leaves_previous_output_intact(project, tmp_path, how)
         assert not list(tmp_path.glob(".pkg.mlpackage*staging*")), "staging must be removed on Ctrl-C"
     else:
         assert code == -signal.SIGKILL
-    assert digest_tree(output) == before
+    assert tree_digest(output) == before
 
     # The next run removes what a killed run left behind, and succeeds.
     again = run("build", project / "rel.yaml", "-o", output, "--no-verify", "--quiet", "--force")
