@@ -16,6 +16,7 @@ and the Core ML runtime come out of the headroom, not out of the limit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -347,9 +348,7 @@ def estimated_weight_bytes(tensors: dict, compression, lora_tensors: dict | None
 
     total = 0
     for name, info in tensors.items():
-        count = 1
-        for dim in info.shape:
-            count *= dim
+        count = math.prod(info.shape)
         module_name = name.replace(".", "_")
         plain = (
             compression.method == "none"
@@ -367,10 +366,9 @@ def estimated_weight_bytes(tensors: dict, compression, lora_tensors: dict | None
             total += count * compression.nbits // 8 + 2 * count // max(1, per)
         else:  # prune
             total += int(count * (1 - compression.sparsity)) * 2 + count // 8
-    for name, info in (lora_tensors or {}).items():
-        if "lora_" in name:
-            count = 1
-            for dim in info.shape:
-                count *= dim
-            total += 2 * count
-    return total
+    return total + lora_float16_bytes(lora_tensors or {})
+
+
+def lora_float16_bytes(tensors: dict) -> int:
+    """Bytes of an adapter's LoRA A/B matrices in float16 (what keep mode stores per function)."""
+    return sum(2 * math.prod(info.shape) for name, info in tensors.items() if "lora_" in name)

@@ -255,7 +255,6 @@ def build(
 
 # Suggest keep mode when it would save more than a quarter of the package.
 KEEP_HINT_RATIO = 0.75
-_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_embedding_A", ".lora_embedding_B")
 
 
 def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | None:
@@ -267,16 +266,10 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
     fused = [r for r in result.functions if r.lora == "fuse"]
     if not fused or not result.part_sizes:
         return None
+    from .devices import lora_float16_bytes
+
     base_bytes = min(result.part_sizes.values())
-    lora_bytes = 0
-    for name, info in checked.adapters.items():
-        for key, tensor in info.tensors.items():
-            if key.endswith(_LORA_SUFFIXES):
-                count = 1
-                for dim in tensor.shape:
-                    count *= dim
-                lora_bytes += 2 * count
-    return base_bytes + lora_bytes
+    return base_bytes + sum(lora_float16_bytes(info.tensors) for info in checked.adapters.values())
 
 
 CACHE_FOLDER = ".adapterpack-cache"
@@ -363,7 +356,7 @@ class _PartBuilder:
         from .parts import part_key, place
         from .quiet import captured_output
 
-        record = {"template": 1, **{k: v for k, v in self._base_record().items()}}
+        record = {"template": 1, **self._base_record()}
         key = part_key(record)
         cached = self.cache.folder / "templates" / f"{key}.mlpackage" if self.cache is not None else None
         path = self.workdir / ".template.mlpackage"
@@ -392,7 +385,7 @@ class _PartBuilder:
             "versions": library_versions(),
         }
 
-    def _fused_from_template(self, name: str, adapter, folder: Path) -> Path | None:
+    def _fused_from_template(self, name: str, adapter) -> Path | None:
         """A copy of the template with the adapter's fused weights patched in, or None."""
         from .base_model import stored_weight_reader
         from .lora import applied_adapter
@@ -435,7 +428,7 @@ class _PartBuilder:
             source = self.template()
         elif mode == "fuse":
             with self.reporter.stage(f"{name}: fuse into the converted base"):
-                source = self._fused_from_template(name, adapter, self.checked.adapters[name].folder)
+                source = self._fused_from_template(name, adapter)
         if source is not None:
             with captured_output():
                 mlmodel = ct.models.MLModel(str(source), skip_model_load=True)

@@ -8,7 +8,6 @@ tool versions give byte-identical files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import OutOfResources, OutputExists
+from .inputs import sha256_files
 from .pipeline import BuildResult, Reporter, build, check_inputs
 from .staging import Staging
 
@@ -59,14 +59,6 @@ def deterministic_zip(folder: Path, destination: Path) -> None:
             info.create_system = 3  # unix, whatever the host: the attributes above are unix modes
             with path.open("rb") as source, archive.open(info, "w", force_zip64=True) as target:
                 shutil.copyfileobj(source, target, 1 << 20)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def required_disk_bytes(checked) -> int:
@@ -123,7 +115,7 @@ def release(
         info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         sums_path = staging.folder / SUMS
         sums_path.write_text(
-            "".join(f"{sha256_file(p)}  {p.name}\n" for p in sorted((zip_path, info_path), key=lambda p: p.name))
+            "".join(f"{sha256_files([p])}  {p.name}\n" for p in sorted((zip_path, info_path), key=lambda p: p.name))
         )
         # The sums file goes last: a release folder with a SHA256SUMS is complete.
         for built, target in zip((zip_path, info_path, sums_path), targets):
