@@ -1,35 +1,43 @@
-"""Patching fused weights into a converted base: exact where it can be, refused where it cannot."""
+"""Patching fused weights into a converted or compressed base: exact where it can be, refused where it cannot."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from adapterpack.weight_patch import WEIGHTS, patch_weights
+from adapterpack.weight_patch import WEIGHTS, TensorChange, patch_weights
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    """A converted two-layer program whose float16 weights we know."""
+def two_layer_program(path, w1, w2, compression=None):
+    """Save a two-linear program with these float16 weights (compressed as ``compression`` says)."""
+    from adapterpack.compress import compress_model
     from adapterpack.quiet import captured_output, import_coremltools
 
     ct = import_coremltools()
     from coremltools.converters.mil import Builder as mb
-
-    rng = np.random.default_rng(0)
-    w1 = rng.standard_normal((64, 64)).astype(np.float16)
-    w2 = rng.standard_normal((64, 64)).astype(np.float16)
 
     @mb.program(input_specs=[mb.TensorSpec(shape=(1, 64), dtype=ct.converters.mil.mil.types.fp16)],
                 opset_version=ct.target.iOS18)
     def program(x):
         return mb.linear(x=mb.linear(x=x, weight=w1), weight=w2)
 
-    path = tmp_path_factory.mktemp("tpl") / "t.mlpackage"
     with captured_output():
-        ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
-                   skip_model_load=True).save(str(path))
-    return path, w1, w2
+        model = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+                           skip_model_load=True)
+    if compression is not None:
+        model = compress_model(model, compression)
+    with captured_output():
+        model.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """A converted two-layer program whose float16 weights we know."""
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((64, 64)).astype(np.float16)
+    w2 = rng.standard_normal((64, 64)).astype(np.float16)
+    return two_layer_program(tmp_path_factory.mktemp("tpl") / "t.mlpackage", w1, w2), w1, w2
 
 
 def run(path, x):
@@ -42,7 +50,7 @@ def run(path, x):
 def test_patched_copy_computes_with_the_new_weight(template, tmp_path):
     path, w1, w2 = template
     new = (w2.astype(np.float32) * -0.5).astype(np.float16)
-    assert patch_weights(path, tmp_path / "p.mlpackage", [(w2, new)])
+    assert patch_weights(path, tmp_path / "p.mlpackage", [TensorChange.float16(w2, new)])
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float16)
     expected = (x.astype(np.float32) @ w1.T.astype(np.float32)).astype(np.float16).astype(np.float32) @ new.T.astype(np.float32)
     got = run(tmp_path / "p.mlpackage", x).astype(np.float32)
@@ -56,11 +64,70 @@ def test_patched_copy_computes_with_the_new_weight(template, tmp_path):
 def test_unknown_weight_is_refused_and_leaves_nothing(template, tmp_path):
     path, _, _ = template
     stranger = np.ones((64, 64), np.float16)
-    assert not patch_weights(path, tmp_path / "p.mlpackage", [(stranger, stranger * 2)])
+    assert not patch_weights(path, tmp_path / "p.mlpackage", [TensorChange.float16(stranger, stranger * 2)])
     assert not (tmp_path / "p.mlpackage").exists()
 
 
 def test_shape_or_dtype_change_is_refused(template, tmp_path):
     path, w1, _ = template
-    assert not patch_weights(path, tmp_path / "p.mlpackage", [(w1, w1.astype(np.float32))])
-    assert not patch_weights(path, tmp_path / "q.mlpackage", [(w1, w1[:32])])
+    with pytest.raises(TypeError):
+        TensorChange.float16(w1, w1.astype(np.float32))
+    assert not patch_weights(path, tmp_path / "q.mlpackage", [TensorChange.float16(w1, w1[:32])])
+    assert not (tmp_path / "q.mlpackage").exists()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=16),
+        dict(method="palettize", nbits=6, granularity="per_tensor"),
+        # the changed weight is excluded from compression: found and patched as float16
+        dict(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=16, keep_float16=["linear_1"]),
+    ],
+    ids=["4bit-grouped", "6bit-tensor", "kept-float16"],
+)
+def test_patching_a_compressed_base_equals_compressing_the_changed_model(template, tmp_path, settings):
+    """The fast path of a fused function: patch palettized records into the compressed base.
+    It must give byte for byte what compressing the model with the new weight gives."""
+    from adapterpack.compress import palettized_records, set_palette_cache
+    from adapterpack.manifest import Compression
+
+    _, w1, w2 = template
+    compression = Compression(**settings)
+    new = (w2.astype(np.float32) * 0.9 + 0.05).astype(np.float16)
+    set_palette_cache(tmp_path / "palettes")
+    try:
+        base = two_layer_program(tmp_path / "base.mlpackage", w1, w2, compression)
+        expected = two_layer_program(tmp_path / "expected.mlpackage", w1, new, compression)
+        before, after = palettized_records(w2, compression), palettized_records(new, compression)
+    finally:
+        set_palette_cache(None)
+    change = TensorChange.float16(w2, new)
+    change.encodings.insert(0, [(d, b, a) for (d, b), (_, a) in zip(before, after)])
+    assert patch_weights(base, tmp_path / "patched.mlpackage", [change])
+    patched = (tmp_path / "patched.mlpackage" / WEIGHTS).read_bytes()
+    assert patched == (expected / WEIGHTS).read_bytes()
+    assert patched != (base / WEIGHTS).read_bytes()
+
+
+def test_palettized_records_decode_to_the_palettized_weight():
+    """The records are what constexpr_lut_to_dense reads: packed indices (LSB first) and a palette."""
+    from adapterpack.compress import palettized_records
+    from adapterpack.manifest import Compression
+
+    weight = np.random.default_rng(3).standard_normal((32, 48)).astype(np.float16)
+    (index_dtype, packed), (lut_dtype, lut) = palettized_records(
+        weight, Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=8)
+    )
+    assert (index_dtype, lut_dtype) == ("uint4", "float16")
+    packed = np.frombuffer(packed, np.uint8)
+    indices = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(32, 48)
+    palettes = np.frombuffer(lut, np.float16).reshape(4, 16)
+    dense = np.take_along_axis(palettes.repeat(8, axis=0), indices.astype(np.int64), axis=1)
+    from adapterpack.palettize import kmeans_1d
+
+    luts, labels = kmeans_1d(weight.reshape(4, -1), 4)
+    reference = np.take_along_axis(luts.astype(np.float16), labels.astype(np.int64), axis=1).reshape(32, 48)
+    np.testing.assert_array_equal(dense, reference)
+    assert np.abs(dense.astype(np.float32) - weight).mean() < 0.1
+    assert len(np.unique(dense)) > 16  # one palette per group of 8 rows, not one for all

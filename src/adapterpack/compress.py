@@ -217,3 +217,27 @@ def compress_model(mlmodel, compression: Compression, lora_compression: Compress
         with captured_output():
             mlmodel = apply(mlmodel, config=config)
     return mlmodel
+
+
+def palettized_records(value: np.ndarray, compression: Compression) -> list[tuple[str, bytes]] | None:
+    """The weight blob records coremltools writes for ``value`` palettized as ``compression`` says:
+    [(blob dtype, bytes)] of the indices (packed n-bit, weight order) and the float16 palette.
+
+    Uses the same palettes ``compress_model`` gives coremltools (``_tensor_palettes``, disk cache
+    included), so a fused function can be patched at the compressed level. None when coremltools
+    would split the tensor differently; callers then check the result by finding the base
+    weight's records in a compressed package, so a layout mismatch is a miss, never a wrong patch.
+    """
+    if compression.method != "palettize" or value.dtype != np.float16 or value.ndim < 2:
+        return None
+    rows = value.shape[0] if compression.granularity == "per_tensor" else compression.group_size
+    if not rows or value.shape[0] % rows:
+        return None
+    import_coremltools()
+    from coremltools.optimize._utils import pack_elements_into_bits
+
+    flat = np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
+    luts, indices = _tensor_palettes(flat, compression.nbits)
+    packed = pack_elements_into_bits(indices.reshape(-1), compression.nbits)
+    index_dtype = "uint8" if compression.nbits == 8 else f"uint{compression.nbits}"
+    return [(index_dtype, packed.tobytes()), ("float16", luts.astype(np.float16).tobytes())]

@@ -78,6 +78,9 @@ def place(source: Path, destination: Path) -> None:
     shutil.copytree(source, destination, copy_function=link_or_copy)
 
 
+TEMPLATES = "templates"
+
+
 class PartCache:
     """Parts on disk by content key (default: ``.adapterpack-cache`` beside the output)."""
 
@@ -100,11 +103,36 @@ class PartCache:
         os.replace(temporary, target)
         (self.folder / f"{key}{PART_SUFFIX}").write_text(json.dumps(record, indent=2, sort_keys=True))
 
-    def prune(self, manifest_name: str, keep: set[str]) -> None:
-        """Drop this manifest's entries that the latest build no longer uses (palettes are kept:
-        a rebuild after changing an adapter needs the base's palettes)."""
+    def template(self, key: str) -> Path | None:
+        """A converted (and possibly compressed) base, by key; see ``pipeline._PartBuilder``."""
+        package = self.folder / TEMPLATES / f"{key}.mlpackage"
+        return package if package.is_dir() and package.with_suffix(".json").is_file() else None
+
+    def put_template(self, key: str, package: Path, base_sha256: str) -> None:
+        folder = self.folder / TEMPLATES
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary = folder / f".{key}.incoming"
+        shutil.rmtree(temporary, ignore_errors=True)
+        place(package, temporary)
+        target = folder / f"{key}.mlpackage"
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(temporary, target)
+        target.with_suffix(".json").write_text(json.dumps({"base": base_sha256}))
+
+    def prune(self, manifest_name: str, keep: set[str], base_sha256: str | None = None, templates: set[str] = frozenset()) -> None:
+        """Drop this manifest's entries that the latest build no longer uses, and the templates of
+        its base that it did not use (palettes are kept: a rebuild after changing an adapter
+        needs the base's palettes)."""
         if not self.folder.is_dir():
             return
+        for record_file in (self.folder / TEMPLATES).glob("*.json") if base_sha256 else ():
+            try:
+                base = json.loads(record_file.read_text()).get("base")
+            except (OSError, json.JSONDecodeError, AttributeError):
+                base = None
+            if record_file.stem not in templates and base in (base_sha256, None):
+                shutil.rmtree(record_file.with_suffix(".mlpackage"), ignore_errors=True)
+                record_file.unlink(missing_ok=True)
         for record_file in self.folder.glob(f"*{PART_SUFFIX}"):
             key = record_file.name[: -len(PART_SUFFIX)]
             try:

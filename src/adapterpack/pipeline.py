@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,7 +232,8 @@ def build(
     if cache is not None:
         from .parts import part_key
 
-        cache.prune(manifest.name, {part_key(record) for record, _ in parts})
+        templates = {template_key(checked)} | {template_key(checked, manifest.compression_for(n)) for n in manifest.function_names}
+        cache.prune(manifest.name, {part_key(record) for record, _ in parts}, checked.base.content_hash, templates)
 
     result = BuildResult(
         output=destination,
@@ -292,8 +294,10 @@ def build_parts(
     from .parts import part_key, part_record, place
 
     manifest = checked.manifest
-    set_palette_cache(cache.folder / "palettes" if cache is not None else None)
     folder.mkdir(parents=True, exist_ok=True)
+    # Palettes go to disk even without a build cache: a fused function's patch re-reads the
+    # base's, and holding a 1B model's in memory would cost over a gigabyte.
+    set_palette_cache(cache.folder / "palettes" if cache is not None else folder / ".palettes")
     names = only or manifest.function_names
     name_for_client = hf_name(checked)
     parts: list[tuple[dict, Path]] = []
@@ -320,28 +324,68 @@ def build_parts(
         if builder is not None:
             builder.close()
         set_palette_cache(None)
+        shutil.rmtree(folder / ".palettes", ignore_errors=True)
     return parts, reused
 
 
-class _PartBuilder:
-    """Loads the base once, converts it once, and turns one function at a time into a part.
+def template_key(checked: CheckedInputs, compression=None) -> str:
+    """Cache key of the converted base, uncompressed (None) or compressed as ``compression`` says."""
+    from .compress import PALETTE_ALGORITHM
+    from .merge import library_versions
+    from .parts import part_key
 
-    The base function and every fused function start from the converted base (the template):
-    fused ones get their changed weights patched into a copy (``weight_patch.py``), so the model
-    is traced and converted once per build instead of once per function. Keep-mode functions
-    (a different graph) and anything the patch cannot match exactly are converted on their own.
+    export = checked.manifest.export
+    record = {
+        "template": 2,
+        "base": checked.base.content_hash,
+        "max_context": export.max_context,
+        "deployment_target": export.deployment_target,
+        "versions": library_versions(),
+    }
+    if compression is not None and compression.method != "none":
+        record.update(compression=compression.model_dump(mode="json"), palettes=PALETTE_ALGORITHM)
+    return part_key(record)
+
+
+class _PartBuilder:
+    """Turns one function at a time into a part, doing each piece of shared work once.
+
+    The base is traced and converted once (the template) and compressed once per compression
+    setting (the compressed template). The base function is the compressed template; a fused
+    function is a copy of it with the records of the weights its adapter changes replaced
+    (``weight_patch.py``): its fused weights are computed from the targeted tensors alone
+    (``lora.fused_weight_changes``) and palettized like the rest, so neither the torch base nor
+    the whole program is loaded for it. Keep-mode functions (a different graph) and anything the
+    patch cannot match exactly are converted and compressed on their own.
+
+    Memory: the float16 torch base is loaded only to trace, and dropped before coremltools
+    compresses anything, so a build never holds it and a compressing program at once.
     """
 
     def __init__(self, checked: CheckedInputs, reporter: Reporter, workdir: Path, cache=None):
-        from .base_model import load_base
-
         self.checked = checked
         self.reporter = reporter
         self.workdir = workdir
         self.cache = cache
-        self._template: Path | None = None
-        with reporter.stage(f"load base {checked.manifest.base.path}"):
-            self.base = load_base(checked.base.folder, dtype="float16")
+        self._base = None
+        self._templates: dict[str, Path] = {}
+
+    @property
+    def base(self):
+        """The float16 torch base, loaded on first use."""
+        if self._base is None:
+            from .base_model import load_base
+
+            with self.reporter.stage(f"load base {self.checked.manifest.base.path}"):
+                self._base = load_base(self.checked.base.folder, dtype="float16")
+        return self._base
+
+    def release_base(self) -> None:
+        import gc
+
+        if self._base is not None:
+            self._base = None
+            gc.collect()
 
     def _convert(self, model):
         from .convert import convert_decoder
@@ -349,119 +393,138 @@ class _PartBuilder:
         export = self.checked.manifest.export
         return convert_decoder(model, max_context=export.max_context, target=export.deployment_target)
 
-    def template(self) -> Path:
-        """The base converted once, uncompressed (cached across builds beside the parts)."""
-        if self._template is not None:
-            return self._template
-        from .parts import part_key, place
+    def _save(self, mlmodel, path: Path) -> None:
         from .quiet import captured_output
 
-        record = {"template": 1, **self._base_record()}
-        key = part_key(record)
-        cached = self.cache.folder / "templates" / f"{key}.mlpackage" if self.cache is not None else None
-        path = self.workdir / ".template.mlpackage"
-        if cached is not None and cached.is_dir():
+        with captured_output():
+            mlmodel.save(str(path))
+
+    def template(self, compression=None) -> Path:
+        """The base converted once: uncompressed, or compressed as ``compression`` says.
+
+        Cached beside the parts, keyed by the base's content, export settings and versions.
+        """
+        from .parts import place
+
+        if compression is not None and compression.method == "none":
+            compression = None
+        key = template_key(self.checked, compression)
+        if key in self._templates:
+            return self._templates[key]
+        path = self.workdir / f".template-{key[:16]}.mlpackage"
+        cached = self.cache.template(key) if self.cache is not None else None
+        if cached is not None:
             place(cached, path)
-        else:
+        elif compression is None:
             with self.reporter.stage("base: trace and convert (once for all functions)"):
                 mlmodel = self._convert(self.base)
-                with captured_output():
-                    mlmodel.save(str(path))
+                self._save(mlmodel, path)
                 del mlmodel
-            if cached is not None:
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                place(path, cached)
-        self._template = path
+        else:
+            from .compress import compress_model
+            from .quiet import captured_output, import_coremltools
+
+            source = self.template(None)
+            self.release_base()
+            with self.reporter.stage(f"base: compress ({compression.describe()}, once for all functions)"):
+                with captured_output():
+                    mlmodel = import_coremltools().models.MLModel(str(source), skip_model_load=True)
+                mlmodel = compress_model(mlmodel, compression)
+                self._save(mlmodel, path)
+                del mlmodel
+        if cached is None and self.cache is not None:
+            self.cache.put_template(key, path, self.checked.base.content_hash)
+        self._templates[key] = path
         return path
 
-    def _base_record(self) -> dict:
-        from .merge import library_versions
+    def _fused_changes(self, name: str, adapter) -> dict | None:
+        """{module: (base, fused)} float16 weights of a fused adapter, or None if it changes more
+        than its LoRA targets (``modules_to_save``)."""
+        from .lora import fused_weight_changes
 
-        manifest = self.checked.manifest
-        return {
-            "base": self.checked.base.content_hash,
-            "max_context": manifest.export.max_context,
-            "deployment_target": manifest.export.deployment_target,
-            "versions": library_versions(),
-        }
-
-    def _fused_from_template(self, name: str, adapter) -> Path | None:
-        """A copy of the template with the adapter's fused weights patched in, or None."""
-        from .base_model import stored_weight_reader
-        from .lora import applied_adapter
-        from .weight_patch import patch_weights
-
-        targets = self.checked.adapters[name].target_modules
-        modules = dict(self.base.named_modules())
-        if any(not hasattr(modules.get(t), "weight") for t in targets):
+        info = self.checked.adapters[name]
+        if info.modules_to_save:
             return None
-        originals = {t: modules[t].weight.detach().numpy().copy() for t in targets}
-        with applied_adapter(
-            self.base,
-            self.checked.adapters[name].folder,
-            mode="fuse",
-            scale=float(adapter.scale),
-            original_weight=stored_weight_reader(self.checked.base),
-        ) as model:
-            fused_modules = dict(model.named_modules())
-            replacements = [(originals[t], fused_modules[t].weight.detach().numpy().copy()) for t in targets]
-        template = self.template()
-        destination = self.workdir / f".{name}.patched.mlpackage"
-        return destination if patch_weights(template, destination, replacements) else None
+        return fused_weight_changes(
+            self.checked.base, info.folder, scale=float(adapter.scale), targets=list(info.target_modules)
+        )
+
+    def _patched(self, changes: dict, compression, source: Path, target: Path) -> bool:
+        """``target`` = ``source`` with the fused weights in, in the form ``source`` stores them."""
+        from .compress import palettized_records
+        from .weight_patch import TensorChange, patch_weights
+
+        tensor_changes = []
+        for old, new in changes.values():
+            old, new = old.numpy(), new.numpy()
+            change = TensorChange.float16(old, new)
+            if compression is not None and compression.method == "palettize":
+                before, after = palettized_records(old, compression), palettized_records(new, compression)
+                if before is not None and after is not None:
+                    change.encodings.insert(0, [(dtype, b, a) for (dtype, b), (_, a) in zip(before, after)])
+            tensor_changes.append(change)
+        return patch_weights(source, target, tensor_changes)
 
     def build(self, name: str, target: Path) -> None:
-        import shutil
+        from .parts import place
+
+        manifest = self.checked.manifest
+        adapter = manifest.adapter(name)
+        compression = manifest.compression_for(name)
+        if adapter is None:
+            place(self.template(compression), target)
+            return
+        mode = manifest.lora_mode(name)
+        changes = None
+        if mode == "fuse":
+            with self.reporter.stage(f"{name}: fuse"):
+                changes = self._fused_changes(name, adapter)
+            if changes is not None and compression.method in ("none", "palettize"):
+                source = self.template(compression)
+                with self.reporter.stage(f"{name}: patch the fused weights into the compressed base"):
+                    if self._patched(changes, compression, source, target):
+                        return
+                log.info("%s: the fused weights could not be matched in the compressed base: compressing it whole", name)
+        self._build_whole(name, adapter, mode, compression, changes, target)
+
+    def _build_whole(self, name: str, adapter, mode: str, compression, changes: dict | None, target: Path) -> None:
+        """One function converted (or patched uncompressed) and compressed on its own."""
 
         from .base_model import stored_weight_reader
         from .compress import compress_model
         from .lora import applied_adapter
         from .quiet import captured_output, import_coremltools
 
-        ct = import_coremltools()
         manifest = self.checked.manifest
-        adapter = manifest.adapter(name)
-        compression = manifest.compression_for(name)
-        mode = manifest.lora_mode(name) if adapter is not None else None
         lora_compression = manifest.lora_compression if mode == "keep" else None
-        source: Path | None = None
-        if adapter is None:
-            source = self.template()
-        elif mode == "fuse":
-            with self.reporter.stage(f"{name}: fuse into the converted base"):
-                source = self._fused_from_template(name, adapter)
-        if source is not None:
+        patched = self.workdir / f".{name}.patched.mlpackage"
+        if changes is not None and self._patched(changes, None, self.template(None), patched):
             with captured_output():
-                mlmodel = ct.models.MLModel(str(source), skip_model_load=True)
+                mlmodel = import_coremltools().models.MLModel(str(patched), skip_model_load=True)
         else:
-            context = applied_adapter(
-                self.base,
-                self.checked.adapters[name].folder,
-                mode=mode,
-                scale=float(adapter.scale),
-                original_weight=stored_weight_reader(self.checked.base),
-            )
             with self.reporter.stage(f"{name}: trace and convert"):
-                with context as model:
+                with applied_adapter(
+                    self.base,
+                    self.checked.adapters[name].folder,
+                    mode=mode,
+                    scale=float(adapter.scale),
+                    original_weight=stored_weight_reader(self.checked.base),
+                ) as model:
                     mlmodel = self._convert(model)
+        self.release_base()
         with self.reporter.stage(f"{name}: compress ({compression.describe()})"):
             mlmodel = compress_model(mlmodel, compression, lora_compression)
-        with captured_output():
-            mlmodel.save(str(target))
+        self._save(mlmodel, target)
         del mlmodel
-        if source is not None and source != self._template:
-            shutil.rmtree(source, ignore_errors=True)
+        shutil.rmtree(patched, ignore_errors=True)
 
     def close(self) -> None:
-        import gc
-        import shutil
-
         from .compress import clear_palette_memo
 
-        del self.base
-        if self._template is not None:
-            shutil.rmtree(self._template, ignore_errors=True)
+        self.release_base()
+        for path in self._templates.values():
+            shutil.rmtree(path, ignore_errors=True)
         clear_palette_memo()
-        gc.collect()  # the float32 reference loaded by verify must not coexist with this copy
 
 
 def merge_parts(parts: list[tuple[dict, Path]], destination: Path) -> None:

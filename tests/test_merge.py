@@ -1,0 +1,161 @@
+"""The streaming merge against coremltools' save_multifunction, and the fused fast path against
+compressing every function whole."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from adapterpack.errors import BadInput
+from adapterpack.inspect_package import _values, _walk
+from adapterpack.merge import merge_functions, read_spec
+from adapterpack.pipeline import build, build_function_part
+from factories import make_adapter, make_base, tree_digest
+
+MANIFEST = """name: merging
+base: {path: base}
+adapters:
+  - {name: chat, path: chat}
+  - {name: code, path: code, compression: {nbits: 6}}
+  - {name: kept, path: chat, lora: keep}
+include_base: base
+export: {max_context: 32}
+compression: {method: palettize}
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("merging")
+    make_base(root / "base", "llama")
+    make_adapter(root / "chat", root / "base", std=0.1)
+    make_adapter(root / "code", root / "base", std=0.1, seed=4, targets=("q_proj", "gate_proj", "up_proj"))
+    (root / "m.yaml").write_text(MANIFEST)
+    return root
+
+
+@pytest.fixture(scope="module")
+def parts(project) -> dict[str, Path]:
+    folder = project / "parts"
+    for name in ("chat", "code", "kept", "base"):
+        build_function_part(project / "m.yaml", name, folder)
+    return {name: folder / f"{name}.mlpackage" for name in ("chat", "code", "kept", "base")}
+
+
+def resolved(package: Path) -> tuple[object, dict]:
+    """(spec, {function: [(op type, outputs, [(parameter, blob dtype, bytes)])]}): what each
+    function reads, wherever the records sit in the blob."""
+    spec = read_spec(package)
+    blob = (package / "Data/com.apple.CoreML/weights/weight.bin").read_bytes()
+    functions = {}
+    for name, function in spec.mlProgram.functions.items():
+        ops = []
+        for block in function.block_specializations.values():
+            for op in _walk(block):
+                values = []
+                for parameter, value in _values(op):
+                    if value.WhichOneof("value") == "blobFileValue":
+                        _, dtype, size, data = struct.unpack_from("<IIQQ", blob, value.blobFileValue.offset)
+                        values.append((parameter, dtype, blob[data : data + size]))
+                ops.append((op.type, [o.name for o in op.outputs], sorted(values)))
+        functions[name] = ops
+    return spec, functions
+
+
+def test_streaming_merge_matches_save_multifunction(parts, tmp_path):
+    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+
+    from adapterpack.quiet import captured_output
+
+    ours = merge_functions(parts, default_function="code", destination=tmp_path / "ours.mlpackage",
+                           metadata={"k": "v"}, description="d")
+    descriptor = MultiFunctionDescriptor()
+    for name, path in parts.items():
+        descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
+    descriptor.default_function_name = "code"
+    with captured_output():
+        save_multifunction(descriptor, str(tmp_path / "ct.mlpackage"))
+
+    our_spec, our_functions = resolved(ours)
+    ct_spec, ct_functions = resolved(tmp_path / "ct.mlpackage")
+    assert set(our_functions) == set(ct_functions) == set(parts)  # a protobuf map: no order
+    for name in parts:
+        assert our_functions[name] == ct_functions[name], name
+    assert list(our_spec.description.functions) == list(ct_spec.description.functions)
+    assert [f.name for f in our_spec.description.functions] == list(parts)
+    assert our_spec.description.defaultFunctionName == "code"
+    assert our_spec.specificationVersion == ct_spec.specificationVersion
+    assert our_spec.mlProgram.version == ct_spec.mlProgram.version
+    assert our_spec.description.metadata.userDefined["k"] == "v"
+    # Shared weights are stored once, as save_multifunction stores them.
+    weights = "Data/com.apple.CoreML/weights/weight.bin"
+    assert (ours / weights).stat().st_size == (tmp_path / "ct.mlpackage" / weights).stat().st_size
+    assert (ours / weights).stat().st_size < sum((p / weights).stat().st_size for p in parts.values()) * 0.6
+
+
+def test_merge_names_a_truncated_part(parts, tmp_path):
+    import shutil
+
+    broken = tmp_path / "chat.mlpackage"
+    shutil.copytree(parts["chat"], broken)
+    blob = broken / "Data/com.apple.CoreML/weights/weight.bin"
+    blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
+    with pytest.raises(BadInput, match="weight.bin"):
+        merge_functions({**parts, "chat": broken}, default_function="code",
+                        destination=tmp_path / "out.mlpackage", metadata={}, description="d")
+
+
+def test_merge_refuses_a_multifunction_input(parts, tmp_path):
+    merged = merge_functions(parts, default_function="code", destination=tmp_path / "m.mlpackage",
+                             metadata={}, description="d")
+    with pytest.raises(BadInput, match="one function"):
+        merge_functions({"x": merged}, default_function="x", destination=tmp_path / "again.mlpackage",
+                        metadata={}, description="d")
+
+
+def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, monkeypatch):
+    """Fused functions patched into the compressed base are byte-identical to compressing each
+    fused model whole (the path taken when the patch cannot match)."""
+    import adapterpack.compress
+
+    compressed = []
+    compress_model = adapterpack.compress.compress_model
+
+    def counted(mlmodel, *args, **kwargs):
+        compressed.append(1)
+        return compress_model(mlmodel, *args, **kwargs)
+
+    monkeypatch.setattr(adapterpack.compress, "compress_model", counted)
+    fast = build(project / "m.yaml", output=tmp_path / "fast" / "p.mlpackage", verify=False)
+    # whole programs compressed: the base at 4 and at 6 bits, and the keep-mode function
+    assert len(compressed) == 3
+
+    compressed.clear()
+    monkeypatch.setattr(adapterpack.compress, "palettized_records", lambda value, compression: None)
+    slow = build(project / "m.yaml", output=tmp_path / "slow" / "p.mlpackage", verify=False)
+    assert len(compressed) == 5  # ... and each fused function on its own
+    assert tree_digest(fast.output) == tree_digest(slow.output)
+
+
+def test_rebuild_of_a_fused_adapter_does_not_load_the_base(project, tmp_path, monkeypatch):
+    import shutil
+
+    import adapterpack.base_model
+
+    changed = tmp_path / "p"
+    shutil.copytree(project, changed, ignore=shutil.ignore_patterns("parts"))
+    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False)
+    make_adapter(changed / "code", changed / "base", std=0.1, seed=7, targets=("q_proj", "gate_proj", "up_proj"))
+
+    load_base = adapterpack.base_model.load_base
+
+    def reference_only(folder, dtype="float32"):
+        assert dtype == "float32", "the float16 build base was loaded"  # verify's reference is float32
+        return load_base(folder, dtype)
+
+    monkeypatch.setattr(adapterpack.base_model, "load_base", reference_only)
+    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=True, force=True)
+    assert rebuilt.reused == ["chat", "kept", "base"]
+    assert rebuilt.verify_report.passed
