@@ -79,11 +79,12 @@ import sys, time, gc
 from pathlib import Path
 import numpy as np, torch
 sys.path.insert(0, sys.argv[3])
-from adapterpack.quiet import captured_output, import_coremltools
+from adapterpack.quiet import captured_output
 from adapterpack.export_decoder import ExportDecoder
 sys.path.insert(0, sys.argv[4])
 from palettize_throughput import install_kmeans1d_shim
-ct = import_coremltools()
+with captured_output():
+    import coremltools as ct  # with its scikit-learn k-means, which this pipeline uses
 from coremltools.optimize import coreml as cto
 from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
 from transformers import AutoModelForCausalLM

@@ -133,7 +133,7 @@ def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, mon
     assert len(compressed) == 3
 
     compressed.clear()
-    monkeypatch.setattr(adapterpack.compress, "palettized_records", lambda value, compression: None)
+    monkeypatch.setattr(adapterpack.compress, "palettized_records", lambda values, compression: [None] * len(values))
     slow = build(project / "m.yaml", output=tmp_path / "slow" / "p.mlpackage", verify=False)
     assert len(compressed) == 5  # ... and each fused function on its own
     assert tree_digest(fast.output) == tree_digest(slow.output)

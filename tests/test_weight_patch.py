@@ -99,7 +99,7 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     try:
         base = two_layer_program(tmp_path / "base.mlpackage", w1, w2, compression)
         expected = two_layer_program(tmp_path / "expected.mlpackage", w1, new, compression)
-        before, after = palettized_records(w2, compression), palettized_records(new, compression)
+        before, after = palettized_records([w2, new], compression)
     finally:
         set_palette_cache(None)
     change = TensorChange.float16(w2, new)
@@ -116,8 +116,8 @@ def test_palettized_records_decode_to_the_palettized_weight():
     from adapterpack.manifest import Compression
 
     weight = np.random.default_rng(3).standard_normal((32, 48)).astype(np.float16)
-    (index_dtype, packed), (lut_dtype, lut) = palettized_records(
-        weight, Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=8)
+    [[(index_dtype, packed), (lut_dtype, lut)]] = palettized_records(
+        [weight], Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=8)
     )
     assert (index_dtype, lut_dtype) == ("uint4", "float16")
     packed = np.frombuffer(packed, np.uint8)

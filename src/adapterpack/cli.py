@@ -629,5 +629,25 @@ def _print_inspection(report, estimate, budget: list[dict], top: int) -> None:
         out.print(f"[{index}] {row['source']}", highlight=False, markup=False)
 
 
-def main() -> None:  # pragma: no cover - console entry point convenience
-    app()
+def main() -> None:
+    """Console entry point: run the command, then leave without finalizing every library.
+
+    Tearing down torch, transformers and coremltools module by module takes over a second after
+    the work is done and serves no finished command; exit hooks (temporary files) still run.
+    """
+    import atexit
+
+    try:
+        app(prog_name="adapterpack")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -63,26 +63,32 @@ def _group_key(group: np.ndarray, nbits: int) -> tuple[bytes, int, str, tuple[in
 _PRIME_BATCH_VALUES = 1 << 24
 
 
+def _grouped_rows(value: np.ndarray, compression: Compression) -> np.ndarray | None:
+    """``value`` as one row per channel group, the way coremltools splits a linear/embedding
+    weight (contiguous blocks of ``group_size`` output channels, axis 0); None if it splits it
+    otherwise (or not at all)."""
+    if value.ndim < 2 or value.dtype.kind != "f":
+        return None
+    rows = value.shape[0] if compression.granularity == "per_tensor" else compression.group_size
+    if not rows or value.shape[0] % rows:
+        return None
+    return np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
+
+
 def prime_palettes(weights: dict[str, np.ndarray], compression: Compression) -> int:
     """Cluster every channel group of ``weights`` in vectorized batches, ahead of coremltools.
 
     coremltools' custom mode asks for one group at a time; answering each from this memo keeps
-    its op construction while the k-means itself runs batched. Groups are split the way
-    coremltools splits a linear/embedding weight (contiguous blocks of ``group_size`` output
-    channels, axis 0); anything it splits differently is simply clustered on demand.
-    Returns the number of groups primed.
+    its op construction while the k-means itself runs batched. Groups coremltools splits
+    differently are simply clustered on demand. Returns the number of groups primed.
     """
     nbits = compression.nbits
+    grouped = {name: _grouped_rows(value, compression) for name, value in weights.items()}
+    grouped = {name: flat for name, flat in grouped.items() if flat is not None}
     primed = 0
-    for value in weights.values():
-        if value.ndim < 2 or value.dtype.kind != "f":
-            continue
-        rows = value.shape[0] if compression.granularity == "per_tensor" else compression.group_size
-        if not rows or value.shape[0] % rows:
-            continue
-        group_shape = (rows, *value.shape[1:])
-        flat = np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
-        luts, indices = _tensor_palettes(flat, nbits)
+    for (name, flat), (luts, indices) in zip(grouped.items(), tensor_palettes(list(grouped.values()), nbits)):
+        value = weights[name]
+        group_shape = (value.shape[0] // flat.shape[0], *value.shape[1:])
         for row in range(flat.shape[0]):
             group = flat[row].reshape(group_shape)
             _palette_memo[_group_key(group, nbits)] = (luts[row].astype(value.dtype), indices[row].reshape(group_shape))
@@ -90,32 +96,82 @@ def prime_palettes(weights: dict[str, np.ndarray], compression: Compression) -> 
     return primed
 
 
-def _tensor_palettes(flat: np.ndarray, nbits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Palettes of every row of ``flat`` (one row per channel group): from the disk cache when a
-    previous build clustered the same values, else computed in batches (and cached)."""
+def tensor_palettes(flats: list[np.ndarray], nbits: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(luts, indices) of every row of each tensor in ``flats`` (one row per channel group).
+
+    From the disk cache where a previous build clustered the same values; the rest are clustered
+    together, rows of equal length from all tensors in one batch (up to ``_PRIME_BATCH_VALUES``
+    values): a Lloyd step costs about as much for one small tensor as for many, so batching
+    across tensors is what makes the few changed tensors of an adapter quick. Rows are clustered
+    independently, so a row's palette does not depend on what it was batched with.
+    """
     from .palettize import kmeans_1d
 
-    cached = None
-    if _palette_cache_dir is not None:
-        digest = hashlib.blake2b(flat.tobytes(), digest_size=20)
-        digest.update(f"{flat.shape}|{flat.dtype}|{nbits}|{PALETTE_ALGORITHM}".encode())
-        cached = _palette_cache_dir / f"{digest.hexdigest()}.npz"
-        if cached.is_file():
-            try:
-                with np.load(cached) as stored:
-                    return stored["luts"], stored["indices"]
-            except (OSError, ValueError, KeyError):
-                cached.unlink(missing_ok=True)
-    step = max(1, _PRIME_BATCH_VALUES // flat.shape[1])
-    parts = [kmeans_1d(flat[start : start + step], nbits) for start in range(0, flat.shape[0], step)]
-    luts = np.concatenate([p[0] for p in parts])
-    indices = np.concatenate([p[1] for p in parts])
-    if cached is not None:
-        _palette_cache_dir.mkdir(parents=True, exist_ok=True)
-        temporary = cached.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(temporary, luts=luts, indices=indices)
-        os.replace(temporary, cached)
-    return luts, indices
+    results: list[tuple[np.ndarray, np.ndarray] | None] = [_cached_palettes(flat, nbits) for flat in flats]
+    pending: dict[tuple[int, str], list[int]] = {}
+    for index, found in enumerate(results):
+        if found is None:
+            pending.setdefault((flats[index].shape[1], str(flats[index].dtype)), []).append(index)
+    for (length, _), members in pending.items():
+        luts = {i: np.empty((flats[i].shape[0], 1 << nbits), np.float32) for i in members}
+        labels = {i: np.empty(flats[i].shape, np.uint8) for i in members}
+        step = max(1, _PRIME_BATCH_VALUES // length)
+        batch: list[tuple[int, int, int]] = []  # (tensor, first row, end row)
+
+        def cluster() -> None:
+            lut, label = kmeans_1d(np.concatenate([flats[i][a:b] for i, a, b in batch]), nbits)
+            offset = 0
+            for i, a, b in batch:
+                luts[i][a:b], labels[i][a:b] = lut[offset : offset + b - a], label[offset : offset + b - a]
+                offset += b - a
+            batch.clear()
+
+        filled = 0
+        for i in members:
+            start = 0
+            while start < flats[i].shape[0]:
+                take = min(flats[i].shape[0] - start, step - filled)
+                batch.append((i, start, start + take))
+                start, filled = start + take, filled + take
+                if filled == step:
+                    cluster()
+                    filled = 0
+        if batch:
+            cluster()
+        for i in members:
+            results[i] = (luts[i], labels[i])
+            _store_palettes(flats[i], nbits, results[i])
+    return results
+
+
+def _palette_file(flat: np.ndarray, nbits: int) -> Path | None:
+    if _palette_cache_dir is None:
+        return None
+    digest = hashlib.blake2b(flat.tobytes(), digest_size=20)
+    digest.update(f"{flat.shape}|{flat.dtype}|{nbits}|{PALETTE_ALGORITHM}".encode())
+    return _palette_cache_dir / f"{digest.hexdigest()}.npz"
+
+
+def _cached_palettes(flat: np.ndarray, nbits: int) -> tuple[np.ndarray, np.ndarray] | None:
+    cached = _palette_file(flat, nbits)
+    if cached is None or not cached.is_file():
+        return None
+    try:
+        with np.load(cached) as stored:
+            return stored["luts"], stored["indices"]
+    except (OSError, ValueError, KeyError):
+        cached.unlink(missing_ok=True)
+        return None
+
+
+def _store_palettes(flat: np.ndarray, nbits: int, palettes: tuple[np.ndarray, np.ndarray]) -> None:
+    cached = _palette_file(flat, nbits)
+    if cached is None:
+        return
+    _palette_cache_dir.mkdir(parents=True, exist_ok=True)
+    temporary = cached.with_suffix(f".{os.getpid()}.tmp.npz")
+    np.savez(temporary, luts=palettes[0], indices=palettes[1])
+    os.replace(temporary, cached)
 
 
 def clear_palette_memo() -> None:
@@ -219,25 +275,31 @@ def compress_model(mlmodel, compression: Compression, lora_compression: Compress
     return mlmodel
 
 
-def palettized_records(value: np.ndarray, compression: Compression) -> list[tuple[str, bytes]] | None:
-    """The weight blob records coremltools writes for ``value`` palettized as ``compression`` says:
-    [(blob dtype, bytes)] of the indices (packed n-bit, weight order) and the float16 palette.
+def palettized_records(values: list[np.ndarray], compression: Compression) -> list[list[tuple[str, bytes]] | None]:
+    """For each weight, the blob records coremltools writes for it palettized as ``compression``
+    says: [(blob dtype, bytes)] of the indices (packed n-bit, weight order) and the float16
+    palette; None for a weight coremltools would not palettize this way.
 
-    Uses the same palettes ``compress_model`` gives coremltools (``_tensor_palettes``, disk cache
-    included), so a fused function can be patched at the compressed level. None when coremltools
-    would split the tensor differently; callers then check the result by finding the base
-    weight's records in a compressed package, so a layout mismatch is a miss, never a wrong patch.
+    Uses the same palettes ``compress_model`` gives coremltools (``tensor_palettes``, disk cache
+    included), so a fused function can be patched at the compressed level. Callers check the
+    result by finding the base weight's records in a compressed package, so a layout mismatch is
+    a miss, never a wrong patch.
     """
-    if compression.method != "palettize" or value.dtype != np.float16 or value.ndim < 2:
-        return None
-    rows = value.shape[0] if compression.granularity == "per_tensor" else compression.group_size
-    if not rows or value.shape[0] % rows:
-        return None
+    if compression.method != "palettize":
+        return [None] * len(values)
     import_coremltools()
     from coremltools.optimize._utils import pack_elements_into_bits
 
-    flat = np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
-    luts, indices = _tensor_palettes(flat, compression.nbits)
-    packed = pack_elements_into_bits(indices.reshape(-1), compression.nbits)
+    flats = [_grouped_rows(value, compression) if value.dtype == np.float16 else None for value in values]
+    present = [i for i, flat in enumerate(flats) if flat is not None]
+    palettes = dict(zip(present, tensor_palettes([flats[i] for i in present], compression.nbits)))
     index_dtype = "uint8" if compression.nbits == 8 else f"uint{compression.nbits}"
-    return [(index_dtype, packed.tobytes()), ("float16", luts.astype(np.float16).tobytes())]
+    records: list[list[tuple[str, bytes]] | None] = []
+    for i in range(len(values)):
+        if i not in palettes:
+            records.append(None)
+            continue
+        luts, indices = palettes[i]
+        packed = pack_elements_into_bits(indices.reshape(-1), compression.nbits)
+        records.append([(index_dtype, packed.tobytes()), ("float16", luts.astype(np.float16).tobytes())])
+    return records

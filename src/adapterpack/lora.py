@@ -140,51 +140,75 @@ def adapted_weight_names(base: torch.nn.Module, adapter_folder: Path) -> list[st
         return [f"{name}.weight" for name, _ in _lora_layers(model)]
 
 
-def fused_weight_changes(
-    base_info, adapter_folder: Path, *, scale: float, targets: list[str]
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """{module: (base weight, fused weight)} in float16 for every module the adapter targets,
-    computed without loading the base model.
+def fused_weight_changes(base_info, adapter_info, *, scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """{tensor name: (base value, fused value)} in float16 for every tensor the adapter changes
+    (each targeted module's weight, and its bias where a LoRA bias changes it), computed without
+    loading the base model.
 
-    The model is built on the meta device (no memory) and only the targeted modules are
-    materialized, from the safetensors at their stored precision; peft is applied to that
-    skeleton, so deltas, scaling and DoRA are peft's own, and W + delta is rounded to float16
-    once. Returns None when the adapter needs more of the model than the modules it targets
-    (``modules_to_save`` replaces whole modules); callers then use the loaded base.
+    peft is injected into a model made of the targeted modules alone, holding the base's weights
+    at their stored precision (read from the safetensors), so deltas, scaling and DoRA are
+    peft's own and W + delta is rounded to float16 once. Returns None when the adapter changes
+    more than the modules its LoRA weights target (``modules_to_save`` replaces whole modules);
+    callers then apply it to the loaded base.
     """
-    import json
-
+    from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from peft.utils import load_peft_weights
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .quiet import captured_output
-
-    adapter_config = json.loads((adapter_folder / "adapter_config.json").read_text())
-    if adapter_config.get("modules_to_save"):
+    if adapter_info.modules_to_save:
         return None
-    with captured_output():
-        config = AutoConfig.from_pretrained(str(base_info.folder), local_files_only=True, trust_remote_code=False)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    skeleton.eval()
+    embeddings = {key.split(".lora_embedding_")[0].removeprefix("base_model.model.") for key in adapter_info.tensors if ".lora_embedding_" in key}
+    root = torch.nn.Module()
     originals: dict[str, torch.Tensor] = {}
-    for target in targets:
-        module = skeleton.get_submodule(target)
-        module.to_empty(device="cpu")
-        for name, parameter in module.named_parameters(recurse=False):
+    for target in adapter_info.target_modules:
+        stored = {}
+        for name in ("weight", "bias"):
             info = base_info.tensors.get(f"{target}.{name}")
-            if info is None:
-                return None
-            with safe_open(str(info.file), framework="pt") as handle:
-                parameter.data = handle.get_tensor(f"{target}.{name}")
-            parameter.requires_grad_(False)
-        originals[target] = module.weight.detach().to(torch.float16)
-    peft_model, layers = _with_adapter(skeleton, adapter_folder, scale)
+            if info is not None:
+                with safe_open(str(info.file), framework="pt") as handle:
+                    stored[name] = handle.get_tensor(f"{target}.{name}")
+        weight = stored.get("weight")
+        if weight is None or weight.ndim != 2:
+            return None
+        if target in embeddings:
+            module = torch.nn.Embedding(*weight.shape, device="meta")
+        else:
+            module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in stored, device="meta")
+        for name, value in stored.items():
+            setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+        parent = root
+        *path, leaf = target.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, module)
+        originals.update({f"{target}.{name}": value.to(torch.float16) for name, value in stored.items()})
+
+    try:
+        config = PeftConfig.from_pretrained(str(adapter_info.folder))
+        inject_adapter_in_model(config, root, adapter_name=ADAPTER_NAME)
+        state = {key.removeprefix("base_model.model."): value for key, value in load_peft_weights(str(adapter_info.folder)).items()}
+        loaded = set_peft_model_state_dict(root, state, adapter_name=ADAPTER_NAME)
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise BadInput(f"{adapter_info.folder}: peft cannot apply this adapter to the base: {error}") from None
+    layers = _lora_layers(root)
+    if getattr(loaded, "unexpected_keys", None) or {name for name, _ in layers} != set(adapter_info.target_modules):
+        return None  # the adapter reaches beyond its LoRA targets: let the whole model take it
+    if scale != 1.0:
+        for _, layer in layers:
+            layer.scale_layer(scale)
     with torch.no_grad():
         fused = _fused_weights(layers, None, torch.float16)
-        if fused is None:  # DoRA, LoRA biases: peft's own merge, at the stored precision
-            merged = dict(peft_model.merge_and_unload(safe_merge=True).named_modules())
-            fused = {t: merged[t].weight.detach().to(torch.float16) for t in targets}
-    if set(fused) != set(targets) or any(value.is_meta for value in fused.values()):
-        return None
-    return {t: (originals[t], fused[t]) for t in targets}
+        if fused is not None:
+            return {f"{target}.weight": (originals[f"{target}.weight"], fused[target]) for target in adapter_info.target_modules}
+        # DoRA, LoRA biases, embeddings: peft's own merge, at the stored precision
+        changes = {}
+        for name, layer in layers:
+            layer.merge(safe_merge=True, adapter_names=[ADAPTER_NAME])
+            for tensor, value in layer.get_base_layer().named_parameters(recurse=False):
+                new = value.detach().to(torch.float16)
+                old = originals[f"{name}.{tensor}"]
+                if tensor == "weight" or not torch.equal(old, new):  # a LoRA bias changes the bias
+                    changes[f"{name}.{tensor}"] = (old, new)
+    return changes

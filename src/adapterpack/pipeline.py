@@ -442,27 +442,21 @@ class _PartBuilder:
         than its LoRA targets (``modules_to_save``)."""
         from .lora import fused_weight_changes
 
-        info = self.checked.adapters[name]
-        if info.modules_to_save:
-            return None
-        return fused_weight_changes(
-            self.checked.base, info.folder, scale=float(adapter.scale), targets=list(info.target_modules)
-        )
+        return fused_weight_changes(self.checked.base, self.checked.adapters[name], scale=float(adapter.scale))
 
     def _patched(self, changes: dict, compression, source: Path, target: Path) -> bool:
         """``target`` = ``source`` with the fused weights in, in the form ``source`` stores them."""
         from .compress import palettized_records
         from .weight_patch import TensorChange, patch_weights
 
-        tensor_changes = []
-        for old, new in changes.values():
-            old, new = old.numpy(), new.numpy()
-            change = TensorChange.float16(old, new)
-            if compression is not None and compression.method == "palettize":
-                before, after = palettized_records(old, compression), palettized_records(new, compression)
+        pairs = [(old.numpy(), new.numpy()) for old, new in changes.values()]
+        tensor_changes = [TensorChange.float16(old, new) for old, new in pairs]
+        if compression is not None and compression.method == "palettize":
+            # all changed tensors at once: their k-means runs batched
+            records = palettized_records([value for pair in pairs for value in pair], compression)
+            for change, before, after in zip(tensor_changes, records[0::2], records[1::2]):
                 if before is not None and after is not None:
                     change.encodings.insert(0, [(dtype, b, a) for (dtype, b), (_, a) in zip(before, after)])
-            tensor_changes.append(change)
         return patch_weights(source, target, tensor_changes)
 
     def build(self, name: str, target: Path) -> None:

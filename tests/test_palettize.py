@@ -1,0 +1,72 @@
+"""The 1-D k-means behind palettization: deterministic, batch-independent, and a real k-means."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import adapterpack.compress as compress
+from adapterpack.palettize import kmeans_1d
+
+
+def weights(seed: int, shape=(64, 256)) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * 0.02).astype(np.float16)
+
+
+def test_identical_rows_get_identical_palettes_run_to_run():
+    rows = weights(0, (8, 512))
+    first, second = kmeans_1d(rows, 4), kmeans_1d(rows.copy(), 4)
+    np.testing.assert_array_equal(first[0], second[0])
+    np.testing.assert_array_equal(first[1], second[1])
+
+
+def test_lloyd_fixed_point_and_better_than_uniform_levels():
+    rows = weights(1, (4, 4096)).astype(np.float32)
+    luts, labels = kmeans_1d(rows, 4)
+    for row, lut, label in zip(rows, luts, labels):
+        # each value sits in its nearest centroid's cluster, and each centroid is its cluster's mean
+        nearest = np.abs(row[:, None] - lut[None, :]).argmin(axis=1)
+        assert np.mean(nearest == label) > 0.999
+        for k in np.unique(label):
+            np.testing.assert_allclose(lut[k], row[label == k].mean(), rtol=1e-4, atol=1e-7)
+        uniform = np.linspace(row.min(), row.max(), 16)
+        uniform_error = np.mean((row - uniform[np.abs(row[:, None] - uniform).argmin(axis=1)]) ** 2)
+        assert np.mean((row - lut[label]) ** 2) < 0.6 * uniform_error
+
+
+def test_few_distinct_values_are_kept_exactly():
+    row = np.repeat(np.array([-1.5, 0.25, 3.0], np.float16), 100)[None]
+    lut, labels = kmeans_1d(row, 4)
+    np.testing.assert_array_equal(lut[0][labels[0]].astype(np.float16), row[0])
+
+
+@pytest.fixture
+def no_disk_cache():
+    compress.set_palette_cache(None)
+    yield
+    compress.set_palette_cache(None)
+
+
+def test_palettes_do_not_depend_on_what_they_are_batched_with(no_disk_cache, monkeypatch):
+    """Tensors are clustered together in batches that cut across tensor boundaries; each one's
+    palettes must equal clustering it alone."""
+    tensors = [weights(seed).reshape(-1, 16 * 256) for seed in range(3)]
+    alone = [compress.tensor_palettes([t], 4)[0] for t in tensors]
+    monkeypatch.setattr(compress, "_PRIME_BATCH_VALUES", 16 * 256 * 3)  # three rows: splits every tensor
+    together = compress.tensor_palettes(tensors, 4)
+    for (lut_a, idx_a), (lut_b, idx_b) in zip(alone, together):
+        np.testing.assert_array_equal(lut_a, lut_b)
+        np.testing.assert_array_equal(idx_a, idx_b)
+
+
+def test_disk_cache_returns_what_was_computed(tmp_path):
+    tensor = weights(5).reshape(-1, 16 * 256)
+    compress.set_palette_cache(tmp_path)
+    try:
+        computed = compress.tensor_palettes([tensor], 4)[0]
+        assert len(list(tmp_path.glob("*.npz"))) == 1
+        reread = compress.tensor_palettes([tensor], 4)[0]
+    finally:
+        compress.set_palette_cache(None)
+    np.testing.assert_array_equal(computed[0], reread[0])
+    np.testing.assert_array_equal(computed[1], reread[1])
