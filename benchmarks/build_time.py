@@ -3,14 +3,15 @@
 The straightforward pipeline, for every function: load the float32 base, merge the adapter with
 peft, trace (with adapterpack's export forward: transformers' own forward does not convert),
 ``ct.convert``, palettize with coremltools' k-means, save; then merge with
-``MultiFunctionDescriptor``. adapterpack: ``adapterpack build`` (base loaded once, float16,
-vectorized deterministic palettization, shared palettes, parts cache). Both get the same inputs
-in one run; the report gives seconds, peak RSS, package sizes and ratios, and the rebuild after
-one adapter changed.
+``MultiFunctionDescriptor``. adapterpack: ``adapterpack build`` (the base converted and
+compressed once, fused functions patched into it, vectorized deterministic palettization,
+streaming merge, build cache). Both get the same inputs in one run; the report gives seconds,
+peak RSS, package sizes and ratios, and the rebuild after one adapter changed (with
+``--with-verify`` also for the default, verifying build).
 
     .venv/bin/pip install -e ".[bench]"                              # the baseline's k-means needs these
-    .venv/bin/python benchmarks/build_time.py                       # ~25M-parameter Llama, 4 adapters
-    .venv/bin/python benchmarks/build_time.py --shape 1b --baseline-timeout 1800
+    .venv/bin/python benchmarks/build_time.py --with-verify         # ~25M-parameter Llama, 4 adapters
+    .venv/bin/python benchmarks/build_time.py --shape 1b --baseline-timeout 3600
 
 Each build runs in its own process (peak RSS is that process's high-water mark).
 """
@@ -96,6 +97,7 @@ parts = out.parent / "baseline_parts"
 parts.mkdir(parents=True, exist_ok=True)
 config = cto.OptimizationConfig(global_config=cto.OpPalettizerConfig(mode="kmeans", nbits=4,
     granularity="per_grouped_channel", group_size=16, weight_threshold=2048))
+started = time.time()
 for name in names:
     model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
     model = PeftModel.from_pretrained(model, root / name).merge_and_unload().eval()
@@ -111,10 +113,12 @@ for name in names:
             states=[ct.StateType(wrapped_type=ct.TensorType(shape=decoder.keyCache.shape, dtype=np.float16), name=n) for n in ("keyCache", "valueCache")],
             minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT16, skip_model_load=True)
         del traced, decoder, model; gc.collect()
+    print(f"baseline {name} converted at {time.time() - started:.0f} s, palettizing", flush=True)
+    with captured_output():
         ml = cto.palettize_weights(ml, config=config)
         ml.save(str(parts / f"{name}.mlpackage"))
     del ml; gc.collect()
-    print(f"baseline {name} done", flush=True)
+    print(f"baseline {name} done at {time.time() - started:.0f} s", flush=True)
 desc = MultiFunctionDescriptor()
 for name in names:
     desc.add_function(str(parts / f"{name}.mlpackage"), src_function_name="main", target_function_name=name)
@@ -124,26 +128,87 @@ with captured_output():
 '''
 
 
+def _tree_rss_gib(pid: int) -> float:
+    """Resident memory of a process and its descendants (Linux /proc), in GiB."""
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            with open(f"/proc/{current}/status") as status:
+                total += next((int(line.split()[1]) for line in status if line.startswith("VmRSS")), 0)
+            with open(f"/proc/{current}/task/{current}/children") as children:
+                stack.extend(int(child) for child in children.read().split())
+        except OSError:
+            continue
+    return total / 2**20
+
+
 def peak_rss_of(command: list[str], timeout: float | None) -> dict:
-    """Seconds, peak RSS (GiB, the process's high-water mark) and whether ``command`` finished."""
+    """Seconds, peak RSS (GiB) and whether ``command`` finished.
+
+    Peak RSS is the process's own high-water mark when it finishes; when it is cut off at
+    ``timeout``, the highest RSS sampled (twice a second) until then. The command runs in its
+    own process group, so a timeout stops everything it started.
+    """
+    import signal
+    import threading
+
     wrapper = [PYTHON, "-c", (
-        "import resource, subprocess, sys, json;"
+        "import resource, subprocess, sys;"
         "r = subprocess.run(sys.argv[1:]);"
         "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)"
     ), *command]
     started = time.perf_counter()
+    process = subprocess.Popen(wrapper, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    sampled = [0.0]
+
+    def sample() -> None:
+        while process.poll() is None:
+            sampled[0] = max(sampled[0], _tree_rss_gib(process.pid))
+            time.sleep(0.5)
+
+    threading.Thread(target=sample, daemon=True).start()
     try:
-        result = subprocess.run(wrapper, capture_output=True, text=True, timeout=timeout)
-        finished = True
-        line = next((l for l in result.stdout.splitlines() if l.startswith("PEAK")), "PEAK 0 1")
-        _, kib, code = line.split()
-        finished = code == "0"
-        if not finished:
-            print(result.stdout[-3000:], result.stderr[-3000:], file=sys.stderr)
-        peak = int(kib) / 2**20
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        finished, peak = False, float("nan")
-    return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_gib": round(peak, 2), "finished": finished}
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, _ = process.communicate()
+        return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_gib": round(sampled[0], 2),
+                "finished": False, "cut_off_after_seconds": timeout,
+                "progress": [line for line in stdout.splitlines() if line.startswith("baseline")]}
+    line = next((l for l in stdout.splitlines() if l.startswith("PEAK")), "PEAK 0 1")
+    _, kib, code = line.split()
+    finished = code == "0"
+    if not finished:
+        print(stdout[-3000:], stderr[-3000:], file=sys.stderr)
+    return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_gib": round(int(kib) / 2**20, 2), "finished": finished}
+
+
+def full_and_rebuild(root: Path, manifest: Path, output: Path, *, verify: bool) -> dict:
+    """A clean build, then a rebuild after one adapter (a2) changed, with a cache of their own."""
+    from safetensors.torch import load_file, save_file
+
+    cli = [str(Path(PYTHON).parent / "adapterpack")]
+    tag = "_verified" if verify else ""
+    cache = output.parent / f"cache{tag}"
+    shutil.rmtree(cache, ignore_errors=True)
+    command = [*cli, "build", str(manifest), "-o", str(output), "--quiet", "--force", "--cache-dir", str(cache)]
+    if not verify:
+        command.append("--no-verify")
+    figures = {f"adapterpack_full{tag}": peak_rss_of(command, None)}
+    # A new a2 (a different B), everything else unchanged.
+    weights = root / "a2" / "adapter_model.safetensors"
+    original = weights.read_bytes()
+    tensors = load_file(weights)
+    save_file({k: v + 0.001 if "lora_B" in k else v for k, v in tensors.items()}, weights)
+    try:
+        figures[f"adapterpack_rebuild_one{tag}"] = peak_rss_of(command, None)
+    finally:
+        weights.write_bytes(original)
+    figures[f"rebuild_over_full{tag}"] = round(
+        figures[f"adapterpack_rebuild_one{tag}"]["seconds"] / figures[f"adapterpack_full{tag}"]["seconds"], 3
+    )
+    return figures
 
 
 def size(path: Path) -> int:
@@ -156,36 +221,22 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/adapterpack-bench"))
     parser.add_argument("--baseline-timeout", type=float, default=None, help="cut the baseline off after N seconds")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--with-verify", action="store_true", help="also time full and rebuild with verification on")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     root = args.work / args.shape
     root.mkdir(parents=True, exist_ok=True)
     manifest = make_inputs(root, args.shape)
-    cli = [str(Path(PYTHON).parent / "adapterpack")]
     figures: dict = {"shape": args.shape}
 
     for stale in (root / "out", root / ".adapterpack-cache"):
         shutil.rmtree(stale, ignore_errors=True)
     ours = root / "out" / "ours.mlpackage"
-    figures["adapterpack_full"] = peak_rss_of(
-        [*cli, "build", str(manifest), "-o", str(ours), "--no-verify", "--quiet", "--cache-dir", str(root / "out" / "cache")], None)
+    figures.update(full_and_rebuild(root, manifest, ours, verify=False))
     figures["adapterpack_bytes"] = size(ours)
-
-    # Rebuild after one adapter changed: a new a2 (different B), everything else cached.
-    from safetensors.torch import load_file, save_file
-
-    weights = root / "a2" / "adapter_model.safetensors"
-    original = weights.read_bytes()
-    tensors = load_file(weights)
-    save_file({k: v + 0.001 if "lora_B" in k else v for k, v in tensors.items()}, weights)
-    try:
-        figures["adapterpack_rebuild_one"] = peak_rss_of(
-            [*cli, "build", str(manifest), "-o", str(ours), "--no-verify", "--quiet", "--force",
-             "--cache-dir", str(root / "out" / "cache")], None)
-    finally:
-        weights.write_bytes(original)
-    figures["rebuild_over_full"] = round(figures["adapterpack_rebuild_one"]["seconds"] / figures["adapterpack_full"]["seconds"], 3)
+    if args.with_verify:  # the default build verifies every function; unchanged ones keep their verdict
+        figures.update(full_and_rebuild(root, manifest, root / "out" / "verified.mlpackage", verify=True))
 
     if not args.skip_baseline:
         script = root / "baseline.py"

@@ -94,3 +94,27 @@ def test_merge_refuses_parts_that_do_not_belong_together(project, tmp_path):
 def test_unknown_function_part_is_bad_input(project, tmp_path):
     with pytest.raises(BadInput, match="choose one of chat, code, base"):
         build_function_part(project / "m.yaml", "zen", tmp_path / "parts")
+
+
+def test_rebuild_verifies_only_what_changed(project, tmp_path):
+    from adapterpack.verify import REUSED_NOTE
+
+    changed = tmp_path / "p"
+    shutil.copytree(project, changed, ignore=shutil.ignore_patterns("out"))
+    first = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage")
+    assert first.verify_report.passed
+    assert not any(REUSED_NOTE in f.notes for f in first.verify_report.functions)
+
+    make_adapter(changed / "code", changed / "base", std=0.1, seed=98, targets=("gate_proj", "up_proj"))
+    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", force=True)
+    reused = {f.name for f in rebuilt.verify_report.functions if REUSED_NOTE in f.notes}
+    assert reused == {"chat", "base"} and rebuilt.verify_report.passed
+    code = next(f for f in rebuilt.verify_report.functions if f.name == "code")
+    before = next(f for f in first.verify_report.functions if f.name == "code")
+    assert code.cosine != before.cosine  # really run again on the new adapter
+
+    # Other verification settings: nothing is reused.
+    text = (changed / "m.yaml").read_text() + "verify: {prefill: 5, decode_steps: 3}\n"
+    (changed / "m.yaml").write_text(text)
+    again = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", force=True)
+    assert not any(REUSED_NOTE in f.notes for f in again.verify_report.functions)

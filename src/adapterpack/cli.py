@@ -153,12 +153,16 @@ def _human(size: int) -> str:
 
 def verify_table(report) -> Table:
     """The per-function checklist of a verification."""
+    from .verify import REUSED_NOTE
+
     table = Table(title=f"verify {report.package.name} ({report.backend} backend)", title_justify="left")
     for column in ("function", "compression", "cosine", "max |err|", "top-1", "KL", "retention", "result"):
         table.add_column(column, justify="right" if column not in ("function", "compression", "result") else "left")
     for f in report.functions:
         kept = "-" if f.retention is None else f"{f.retention:.3f}"
         result = "[green]pass[/]" if f.passed else "[red]FAIL[/]: " + "; ".join(f.failures)
+        if REUSED_NOTE in f.notes:
+            result += " (unchanged, verified before)"
         table.add_row(
             f.name, f.compression, f"{f.cosine:.5f}", f"{f.max_abs_error:.3g}", f"{f.top1:.1%}", f"{f.kl:.2e}", kept, result
         )

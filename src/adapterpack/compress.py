@@ -46,13 +46,14 @@ def set_palette_cache(folder: Path | None) -> None:
 
 
 def _memoized_palette(group: np.ndarray, nbits: int) -> tuple[np.ndarray, np.ndarray]:
-    key = _group_key(group, nbits)
-    found = _palette_memo.get(key)
+    # Served entries leave the memo: coremltools keeps what it is given, and a 1B model's
+    # palettes are over a gigabyte, so holding both would raise the peak by that much. A group
+    # asked for twice (identical values in two tensors) is clustered again, identically.
+    found = _palette_memo.pop(_group_key(group, nbits), None)
     if found is None:
         log.debug("palette memo miss for a group of shape %s", group.shape)
         found = palettize_group(group, nbits)
-        _palette_memo[key] = found
-    return found[0].copy(), found[1].copy()
+    return found
 
 
 def _group_key(group: np.ndarray, nbits: int) -> tuple[bytes, int, str, tuple[int, ...]]:

@@ -79,6 +79,7 @@ def place(source: Path, destination: Path) -> None:
 
 
 TEMPLATES = "templates"
+VERIFIED = "verified"
 
 
 class PartCache:
@@ -118,6 +119,29 @@ class PartCache:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(temporary, target)
         target.with_suffix(".json").write_text(json.dumps({"base": base_sha256}))
+
+    def verified(self, keys: dict[str, str]) -> dict:
+        """{function: FunctionReport} of the functions whose verification key has a stored verdict."""
+        from .verify import function_report_from_json
+
+        found = {}
+        for function, key in keys.items():
+            path = self.folder / VERIFIED / f"{key}.json"
+            try:
+                found[function] = function_report_from_json(json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue
+        return found
+
+    def put_verified(self, reports: dict) -> None:
+        """Store passing verdicts by verification key (failures are always run again)."""
+        folder = self.folder / VERIFIED
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, report in reports.items():
+            if report.passed:
+                temporary = folder / f".{key}.incoming"
+                temporary.write_text(json.dumps(vars(report), sort_keys=True))
+                os.replace(temporary, folder / f"{key}.json")
 
     def prune(self, manifest_name: str, keep: set[str], base_sha256: str | None = None, templates: set[str] = frozenset()) -> None:
         """Drop this manifest's entries that the latest build no longer uses, and the templates of

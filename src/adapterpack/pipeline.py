@@ -224,10 +224,15 @@ def build(
             from .errors import VerificationFailed
             from .verify import verify_package
 
-            with reporter.stage(f"verify {len(records)} function(s) ({backend})"):
-                report = verify_package(merged, manifest, backend=backend, checked=checked)
+            keys = {record["function"]: verification_key(record, manifest, backend) for record, _ in parts}
+            reuse = cache.verified(keys) if cache is not None else {}
+            label = f"verify {len(records) - len(reuse)} function(s) ({backend})"
+            with reporter.stage(label + (f"; {len(reuse)} unchanged since verified" if reuse else "")):
+                report = verify_package(merged, manifest, backend=backend, checked=checked, reuse=reuse)
             if not report.passed:
                 raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
+            if cache is not None:
+                cache.put_verified({keys[f.name]: f for f in report.functions if f.name not in reuse})
         staging.commit(merged)
     if cache is not None:
         from .parts import part_key
@@ -275,6 +280,19 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
 
 
 CACHE_FOLDER = ".adapterpack-cache"
+
+
+def verification_key(record: dict, manifest: Manifest, backend: str) -> str:
+    """Cache key of a function's verdict: its part (inputs, settings, versions), the verify
+    settings and thresholds, and the backend."""
+    import hashlib
+    import json
+
+    from .parts import part_key
+    from .verify import VERIFY_FORMAT
+
+    payload = {"part": part_key(record), "verify": manifest.verify.model_dump(mode="json"), "backend": backend, "format": VERIFY_FORMAT}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def build_parts(
@@ -471,10 +489,13 @@ class _PartBuilder:
         mode = manifest.lora_mode(name)
         changes = None
         if mode == "fuse":
+            patchable = compression.method in ("none", "palettize") and not self.checked.adapters[name].modules_to_save
+            # The compressed base first: its build is the memory peak, and should not also hold
+            # the fused weights.
+            source = self.template(compression) if patchable else None
             with self.reporter.stage(f"{name}: fuse"):
                 changes = self._fused_changes(name, adapter)
-            if changes is not None and compression.method in ("none", "palettize"):
-                source = self.template(compression)
+            if changes is not None and patchable:
                 with self.reporter.stage(f"{name}: patch the fused weights into the compressed base"):
                     if self._patched(changes, compression, source, target):
                         return
