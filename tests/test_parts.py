@@ -118,3 +118,18 @@ def test_rebuild_verifies_only_what_changed(project, tmp_path):
     (changed / "m.yaml").write_text(text)
     again = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", force=True)
     assert not any(REUSED_NOTE in f.notes for f in again.verify_report.functions)
+
+
+def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
+    """A CI job that restores its cache folder builds nothing for an unchanged function."""
+    import adapterpack.pipeline
+
+    cache = tmp_path / "cache"
+    first = build_function_part(project / "m.yaml", "chat", tmp_path / "parts1", cache_dir=cache)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("built again despite the cache")
+
+    monkeypatch.setattr(adapterpack.pipeline, "_PartBuilder", refuse)
+    second = build_function_part(project / "m.yaml", "chat", tmp_path / "parts2", cache_dir=cache)
+    assert tree_digest(first) == tree_digest(second)

@@ -190,7 +190,8 @@ def build(
         bool, typer.Option("--strict", help="Treat warnings (adapter trained on a differently named base) as errors")
     ] = False,
     cache_dir: Annotated[
-        Optional[Path], typer.Option("--cache-dir", help="Build cache (default: .adapterpack-cache beside the output)")
+        Optional[Path],
+        typer.Option("--cache-dir", help="Build cache (default: .adapterpack-cache beside the output; parts: none unless given)"),
     ] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Rebuild every function; do not read or write the cache")] = False,
     function: Annotated[
@@ -221,7 +222,8 @@ def build(
             from .pipeline import build_function_part
 
             part = build_function_part(
-                manifest, function, parts, allow_pickle=allow_pickle, strict=strict, reporter=ConsoleReporter(quiet)
+                manifest, function, parts, allow_pickle=allow_pickle, strict=strict, reporter=ConsoleReporter(quiet),
+                cache_dir=None if no_cache else cache_dir,
             )
             out.print(f"part {function}: {part}", highlight=False)
             return

@@ -583,8 +583,13 @@ def build_function_part(
     allow_pickle: bool = False,
     strict: bool = False,
     reporter: Reporter | None = None,
+    cache_dir: str | Path | None = None,
 ) -> Path:
-    """Fan-out: build one function's part into ``parts_dir`` for a later ``merge`` (one CI job each)."""
+    """Fan-out: build one function's part into ``parts_dir`` for a later ``merge`` (one CI job each).
+
+    With ``cache_dir`` (e.g. restored by the CI's cache action) the part, the converted base and
+    palettes of earlier runs are reused.
+    """
     from .parts import write_part
 
     reporter = reporter or Reporter()
@@ -596,7 +601,10 @@ def build_function_part(
         )
     parts_dir = Path(parts_dir).resolve()
     with Staging(parts_dir / f"{function}.mlpackage") as staging:
-        parts, _ = build_parts(checked, staging.folder, reporter, only=[function])
+        from .parts import PartCache
+
+        cache = PartCache(Path(cache_dir)) if cache_dir is not None else None
+        parts, _ = build_parts(checked, staging.folder, reporter, cache=cache, only=[function])
         record, package = parts[0]
         return write_part(parts_dir, package, record)
 
