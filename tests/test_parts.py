@@ -133,3 +133,18 @@ def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
     monkeypatch.setattr(adapterpack.pipeline, "_PartBuilder", refuse)
     second = build_function_part(project / "m.yaml", "chat", tmp_path / "parts2", cache_dir=cache)
     assert tree_digest(first) == tree_digest(second)
+
+
+def test_converted_base_is_cached_and_pruned_with_its_settings(project, tmp_path):
+    changed = tmp_path / "p"
+    shutil.copytree(project, changed, ignore=shutil.ignore_patterns("out", "parts*"))
+    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False)
+    templates = changed / "out" / ".adapterpack-cache" / "templates"
+    first = sorted(p.name for p in templates.glob("*.mlpackage"))
+    assert len(first) == 2  # converted, and compressed for the palettized functions
+
+    (changed / "m.yaml").write_text(MANIFEST.replace("method: palettize", "method: palettize, nbits: 6"))
+    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False, force=True)
+    second = sorted(p.name for p in templates.glob("*.mlpackage"))
+    assert len(second) == 2 and len(set(first) & set(second)) == 1  # the 4-bit base is gone
+    assert len(list(templates.glob("*.json"))) == 2

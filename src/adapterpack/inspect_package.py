@@ -1,6 +1,6 @@
 """Where the bytes of a multifunction package go: per function, per tensor, per compression kind.
 
-``save_multifunction`` stores a weight once when it is identical across functions, so the size of
+The merge stores a weight once when it is identical across functions, so the size of
 the package on disk says neither what one function costs nor how much the sharing saved. This
 module answers both from the package itself, with no Core ML runtime: it walks the weight blob
 record by record and maps every record to the functions and constant ops (tensors) whose

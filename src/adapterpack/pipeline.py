@@ -1,7 +1,9 @@
 """The build, in order: the only module that knows the sequence of stages.
 
-validate manifest -> check base and adapters (no torch yet) -> load base once -> for each function:
-apply adapter, convert, compress, save a part -> merge parts -> write metadata -> move into place.
+validate manifest -> check base and adapters (no torch yet) -> for each function not in the build
+cache: make its part (the base converted and compressed once; fused adapters patched into it;
+keep-mode adapters converted and compressed on their own) -> merge parts with metadata -> verify
+what changed -> move into place.
 """
 
 from __future__ import annotations
