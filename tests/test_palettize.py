@@ -70,3 +70,17 @@ def test_disk_cache_returns_what_was_computed(tmp_path):
         compress.set_palette_cache(None)
     np.testing.assert_array_equal(computed[0], reread[0])
     np.testing.assert_array_equal(computed[1], reread[1])
+
+
+def test_damaged_cache_entries_are_recomputed(tmp_path):
+    tensor = weights(6).reshape(-1, 16 * 256)
+    compress.set_palette_cache(tmp_path)
+    try:
+        computed = compress.tensor_palettes([tensor], 4)[0]
+        [entry] = tmp_path.glob("*.npz")
+        np.savez(entry, luts=computed[0][:1], indices=computed[1])  # wrong shape
+        assert np.array_equal(compress.tensor_palettes([tensor], 4)[0][0], computed[0])
+        entry.write_bytes(b"not a zip")
+        assert np.array_equal(compress.tensor_palettes([tensor], 4)[0][1], computed[1])
+    finally:
+        compress.set_palette_cache(None)

@@ -158,11 +158,16 @@ def _cached_palettes(flat: np.ndarray, nbits: int) -> tuple[np.ndarray, np.ndarr
     if cached is None or not cached.is_file():
         return None
     try:
-        with np.load(cached) as stored:
-            return stored["luts"], stored["indices"]
-    except (OSError, ValueError, KeyError):
-        cached.unlink(missing_ok=True)
-        return None
+        with np.load(cached, allow_pickle=False) as stored:
+            luts, indices = stored["luts"], stored["indices"]
+        # a damaged entry is recomputed, never used
+        if luts.shape == (flat.shape[0], 1 << nbits) and indices.shape == flat.shape and indices.dtype == np.uint8:
+            if not indices.size or int(indices.max()) < (1 << nbits):
+                return luts, indices
+    except (OSError, ValueError, KeyError, EOFError):
+        pass
+    cached.unlink(missing_ok=True)
+    return None
 
 
 def _store_palettes(flat: np.ndarray, nbits: int, palettes: tuple[np.ndarray, np.ndarray]) -> None:
