@@ -839,6 +839,27 @@ def test_multifunction_package(llama, tmp_path: Path) -> None:
     np.testing.assert_array_equal(code, run_decoder(ex, ids))  # default function
     assert not np.array_equal(chat, code)
 
+    # One function loaded alone (verification does this, to hold one function's weights)
+    alone = ProgramExecutor.load(multi, functions=["chat"])
+    assert alone.function_names == ["chat"] and alone.default_function == "chat"
+    np.testing.assert_array_equal(chat, run_decoder(alone, ids, function="chat"))
+    assert ProgramExecutor.function_names_of(multi) == ex.function_names
+    with pytest.raises(KeyError):
+        ProgramExecutor.load(multi, functions=["nope"])
+
+
+def test_unwidened_weights_give_the_same_results(llama, monkeypatch) -> None:
+    """Past the widening budget weights stay float16 and are widened per call: same numbers."""
+    import adapterpack.executor
+
+    path, ids, _ = llama
+    widened = run_decoder(ProgramExecutor.load(path), ids)
+    monkeypatch.setattr(adapterpack.executor, "WIDEN_BUDGET_BYTES", 0)
+    executor = ProgramExecutor.load(path)
+    np.testing.assert_array_equal(widened, run_decoder(executor, ids))
+    compiled = executor._compile(None)
+    assert not any(getattr(v, "dtype", None) == np.float32 and v.ndim == 2 for v in compiled.env if v is not None)
+
 
 def test_llama_decode_is_fast(llama) -> None:
     import time

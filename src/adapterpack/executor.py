@@ -1035,6 +1035,10 @@ def _check_supported(op: Any, function: str) -> None:
         raise UnsupportedOp(f"{where} has parameters {sorted(unknown)} the numpy executor does not interpret")
 
 
+# float32 copies of float16 matmul weights made ahead of time (see ``_widen_static_operands``).
+WIDEN_BUDGET_BYTES = 1 << 30
+
+
 class ProgramExecutor:
     """numpy interpreter for the ML Program functions of one ``.mlpackage``."""
 
@@ -1052,8 +1056,9 @@ class ProgramExecutor:
                 _check_supported(op, name)
 
     @classmethod
-    def load(cls, package_path: str | Path) -> "ProgramExecutor":
-        """Load the MIL program (all functions) of an ``.mlpackage``."""
+    def load(cls, package_path: str | Path, functions: Sequence[str] | None = None) -> "ProgramExecutor":
+        """Load the MIL program of an ``.mlpackage``: all functions, or only ``functions``
+        (only their weights are read: one function of a 1B model instead of all of them)."""
         import coremltools as ct
         from coremltools.converters.mil.frontend.milproto.load import load as load_milproto
         from coremltools.models.utils import _try_get_weights_dir_path
@@ -1062,9 +1067,31 @@ class ProgramExecutor:
         spec = ct.utils.load_spec(path)
         if spec.WhichOneof("Type") != "mlProgram":
             raise ValueError(f"{path} is not an ML Program (found {spec.WhichOneof('Type')!r})")
+        if functions is not None:
+            missing = set(functions) - set(spec.mlProgram.functions)
+            if missing:
+                raise KeyError(f"no function {sorted(missing)} in {path}; it has {sorted(spec.mlProgram.functions)}")
+            for name in list(spec.mlProgram.functions):
+                if name not in functions:
+                    del spec.mlProgram.functions[name]
+            kept = [f for f in spec.description.functions if f.name in functions]
+            del spec.description.functions[:]
+            spec.description.functions.extend(kept)
+            if kept and spec.description.defaultFunctionName not in functions:
+                spec.description.defaultFunctionName = functions[0]
         weights_dir = _try_get_weights_dir_path(path) or str(Path(path) / "Data" / "com.apple.CoreML" / "weights")
         program = load_milproto(spec, spec.specificationVersion, file_weights_dir=weights_dir)
         return cls(program, spec.description.defaultFunctionName or None)
+
+    @staticmethod
+    def function_names_of(package_path: str | Path) -> list[str]:
+        """The functions of a package, from its spec alone (no weights read)."""
+        import coremltools as ct
+
+        spec = ct.utils.load_spec(str(package_path))
+        if spec.WhichOneof("Type") != "mlProgram":
+            raise ValueError(f"{package_path} is not an ML Program (found {spec.WhichOneof('Type')!r})")
+        return list(spec.mlProgram.functions)
 
     @property
     def function_names(self) -> list[str]:
@@ -1271,22 +1298,26 @@ class ProgramExecutor:
 
     @staticmethod
     def _widen_static_operands(steps: list[_Step], env: list[Any], static: set[int]) -> None:
-        """Pre-convert float16 constant matmul operands to float32 once.
+        """Pre-convert float16 constant matmul operands to float32 once, up to a memory budget.
 
-        linear/matmul widen their operands anyway (see ``_f32``); doing it for the weights here
-        keeps that per-call conversion off the hot path.
+        linear/matmul widen their operands anyway (see ``_f32``, exact for float16), so the
+        result is the same either way; doing it for the weights here keeps that per-call
+        conversion off the hot path. Past ``WIDEN_BUDGET_BYTES`` of float32 copies (a 1B model's
+        would be 5 GB) the weights stay float16 and are widened per call.
         """
         widened: dict[int, int] = {}
+        spent = 0
         for step in steps:
             if step.op_type not in ("linear", "matmul"):
                 continue
             new_args = []
             for param, ref in step.args:
                 if isinstance(ref, int) and ref in static and getattr(env[ref], "dtype", None) == np.float16:
-                    if ref not in widened:
+                    if ref not in widened and spent + env[ref].size * 4 <= WIDEN_BUDGET_BYTES:
                         widened[ref] = len(env)
                         env.append(env[ref].astype(np.float32))
                         static.add(widened[ref])
-                    ref = widened[ref]
+                        spent += env[ref].size * 4
+                    ref = widened.get(ref, ref)
                 new_args.append((param, ref))
             step.args = tuple(new_args)

@@ -155,14 +155,17 @@ def _run_steps(predict, tokens: np.ndarray, prefill: int) -> np.ndarray:
 
 
 def _numpy_runner(package: Path):
+    """Runs one function at a time, each loaded on its own and dropped after its run, so the
+    executor holds one function's weights, not the package's."""
     from .executor import ProgramExecutor, UnsupportedOp
 
-    try:
-        executor = ProgramExecutor.load(package)
-    except UnsupportedOp as error:
-        raise BadInput(f"{package}: {error}") from None
+    names = ProgramExecutor.function_names_of(package)
 
     def run(function: str, tokens: np.ndarray, prefill: int) -> np.ndarray:
+        try:
+            executor = ProgramExecutor.load(package, functions=[function])
+        except UnsupportedOp as error:
+            raise BadInput(f"{package}: {error}") from None
         state = executor.make_state(function)
 
         def predict(ids, mask):
@@ -170,7 +173,7 @@ def _numpy_runner(package: Path):
 
         return _run_steps(predict, tokens, prefill)
 
-    return run, executor.function_names
+    return run, names
 
 
 def _coreml_runner(package: Path):
@@ -275,6 +278,10 @@ def verify_package(
     except Exception as error:  # a damaged package fails verification rather than crashing it
         report.integrity.append(f"package cannot be loaded: {type(error).__name__}: {error}")
         return report
+    # All PyTorch references first, then the torch base goes, and each function runs alone:
+    # at no point does a float32 base share memory with a function's weights.
+    import gc
+
     base = load_base(checked.base.folder)
     vocab = int(base.config.vocab_size)
     tokens = verification_tokens(vocab, settings)[: manifest.export.max_context]
@@ -282,6 +289,16 @@ def verify_package(
     ids = torch.from_numpy(tokens[None, :])
     with torch.no_grad():
         base_reference = base(ids).logits[0].float().numpy()
+    references = {}
+    for name in expected:
+        adapter = manifest.adapter(name)
+        if name in reuse or adapter is None:
+            continue
+        folder = checked.adapters[name].folder
+        with torch.no_grad(), applied_adapter(base, folder, mode="unmerged", scale=float(adapter.scale)) as model:
+            references[name] = model(ids).logits[0].float().numpy()
+    del base
+    gc.collect()
 
     for name in expected:
         if name in reuse:
@@ -290,13 +307,14 @@ def verify_package(
         adapter = manifest.adapter(name)
         compression = manifest.compression_for(name)
         thresholds = settings.thresholds_for(compression)
-        if adapter is None:
-            reference = base_reference
-        else:
-            folder = checked.adapters[name].folder
-            with torch.no_grad(), applied_adapter(base, folder, mode="unmerged", scale=float(adapter.scale)) as model:
-                reference = model(ids).logits[0].float().numpy()
-        got = run(name, tokens, prefill)
+        reference = references.get(name, base_reference)
+        try:
+            got = run(name, tokens, prefill)
+        except BadInput:
+            raise
+        except Exception as error:  # a damaged function fails verification rather than crashing it
+            report.integrity.append(f"function {name} cannot be run: {type(error).__name__}: {error}")
+            continue
         metrics = compare_logits(got, reference)
         function_report = FunctionReport(
             name=name,
@@ -324,7 +342,7 @@ def verify_package(
                     f"washed out the adapter's effect); {remedy}"
                 )
         report.functions.append(function_report)
-    del base
+        gc.collect()
     return report
 
 
