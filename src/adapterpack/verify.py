@@ -243,11 +243,7 @@ def verify_package(
     unchanged since a build verified them; those are not run again. The integrity checks
     always run.
     """
-    import torch
-
-    from .base_model import load_base
     from .functions import read_functions
-    from .lora import applied_adapter
     from .pipeline import check_inputs
 
     package = Path(package)
@@ -282,22 +278,8 @@ def verify_package(
     # at no point does a float32 base share memory with a function's weights.
     import gc
 
-    base = load_base(checked.base.folder)
-    vocab = int(base.config.vocab_size)
-    tokens = verification_tokens(vocab, settings)[: manifest.export.max_context]
+    tokens, base_reference, references = _references(checked, [n for n in expected if n not in reuse])
     prefill = min(settings.prefill, len(tokens))
-    ids = torch.from_numpy(tokens[None, :])
-    with torch.no_grad():
-        base_reference = base(ids).logits[0].float().numpy()
-    references = {}
-    for name in expected:
-        adapter = manifest.adapter(name)
-        if name in reuse or adapter is None:
-            continue
-        folder = checked.adapters[name].folder
-        with torch.no_grad(), applied_adapter(base, folder, mode="unmerged", scale=float(adapter.scale)) as model:
-            references[name] = model(ids).logits[0].float().numpy()
-    del base
     gc.collect()
 
     for name in expected:
@@ -344,6 +326,31 @@ def verify_package(
         report.functions.append(function_report)
         gc.collect()
     return report
+
+
+def _references(checked, names: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(tokens, base logits, {adapter function: logits}) from the float32 PyTorch base, with each
+    adapter applied by peft unmerged. Everything torch holds is gone when this returns."""
+    import torch
+
+    from .base_model import load_base
+    from .lora import applied_adapter
+
+    manifest = checked.manifest
+    base = load_base(checked.base.folder)
+    tokens = verification_tokens(int(base.config.vocab_size), manifest.verify)[: manifest.export.max_context]
+    ids = torch.from_numpy(tokens[None, :])
+    with torch.no_grad():
+        base_reference = base(ids).logits[0].float().numpy()
+    references = {}
+    for name in names:
+        adapter = manifest.adapter(name)
+        if adapter is None:
+            continue
+        folder = checked.adapters[name].folder
+        with torch.no_grad(), applied_adapter(base, folder, mode="unmerged", scale=float(adapter.scale)) as model:
+            references[name] = model(ids).logits[0].float().numpy()
+    return tokens, base_reference, references
 
 
 def verify(package: str | Path, manifest: Manifest, *, backend: Backend = "numpy", checked=None) -> VerifyReport:
