@@ -1035,6 +1035,16 @@ def _check_supported(op: Any, function: str) -> None:
         raise UnsupportedOp(f"{where} has parameters {sorted(unknown)} the numpy executor does not interpret")
 
 
+def _program_spec(path: str):
+    """The model spec of a package, which must hold an ML Program."""
+    import coremltools as ct
+
+    spec = ct.utils.load_spec(path)
+    if spec.WhichOneof("Type") != "mlProgram":
+        raise ValueError(f"{path} is not an ML Program (found {spec.WhichOneof('Type')!r})")
+    return spec
+
+
 # float32 copies of float16 matmul weights made ahead of time (see ``_widen_static_operands``).
 WIDEN_BUDGET_BYTES = 1 << 30
 
@@ -1059,14 +1069,11 @@ class ProgramExecutor:
     def load(cls, package_path: str | Path, functions: Sequence[str] | None = None) -> "ProgramExecutor":
         """Load the MIL program of an ``.mlpackage``: all functions, or only ``functions``
         (only their weights are read: one function of a 1B model instead of all of them)."""
-        import coremltools as ct
         from coremltools.converters.mil.frontend.milproto.load import load as load_milproto
         from coremltools.models.utils import _try_get_weights_dir_path
 
         path = str(package_path)
-        spec = ct.utils.load_spec(path)
-        if spec.WhichOneof("Type") != "mlProgram":
-            raise ValueError(f"{path} is not an ML Program (found {spec.WhichOneof('Type')!r})")
+        spec = _program_spec(path)
         if functions is not None:
             missing = set(functions) - set(spec.mlProgram.functions)
             if missing:
@@ -1086,12 +1093,7 @@ class ProgramExecutor:
     @staticmethod
     def function_names_of(package_path: str | Path) -> list[str]:
         """The functions of a package, from its spec alone (no weights read)."""
-        import coremltools as ct
-
-        spec = ct.utils.load_spec(str(package_path))
-        if spec.WhichOneof("Type") != "mlProgram":
-            raise ValueError(f"{package_path} is not an ML Program (found {spec.WhichOneof('Type')!r})")
-        return list(spec.mlProgram.functions)
+        return list(_program_spec(str(package_path)).mlProgram.functions)
 
     @property
     def function_names(self) -> list[str]:

@@ -238,7 +238,7 @@ def inspect_package(package: Path | str) -> PackageReport:
     if not package.is_dir():
         raise BadInput(f"{package}: not a .mlpackage folder")
     spec_path = _spec_path(package)
-    spec = _load_spec(spec_path)
+    spec = load_spec_file(spec_path)
     if spec.WhichOneof("Type") != "mlProgram":
         raise BadInput(f"{package}: not an ML Program (model type {spec.WhichOneof('Type')})")
     model_folder = spec_path.parent
@@ -362,7 +362,8 @@ def _spec_path(package: Path) -> Path:
     return default
 
 
-def _load_spec(spec_path: Path):
+def load_spec_file(spec_path: Path):
+    """A Core ML model spec file, parsed; BadInput naming the file when it is not one."""
     from .quiet import captured_output
 
     with captured_output():

@@ -33,6 +33,7 @@ from .inspect_package import (
     SPEC_NAME,
     _values,
     _walk,
+    load_spec_file,
 )
 from .quiet import import_coremltools
 
@@ -107,12 +108,7 @@ def _chunks(handle: BinaryIO, offset: int, size: int):
 
 def read_spec(package: Path):
     """The model spec (protobuf) of a package."""
-    import_coremltools()
-    from coremltools.proto import Model_pb2
-
-    spec = Model_pb2.Model()
-    spec.ParseFromString(package.joinpath(*MODEL_FOLDER, SPEC_NAME).read_bytes())
-    return spec
+    return load_spec_file(package.joinpath(*MODEL_FOLDER, SPEC_NAME))
 
 
 def merge_functions(
