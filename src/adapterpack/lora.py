@@ -59,6 +59,13 @@ def _fused_weights(
     return fused
 
 
+def _scale(layers, scale: float) -> None:
+    """The manifest's per-adapter ``scale``, applied to peft's own scaling of every LoRA layer."""
+    if scale != 1.0:
+        for _, layer in layers:
+            layer.scale_layer(scale)
+
+
 def _with_adapter(base: torch.nn.Module, adapter_folder: Path, scale: float):
     """(peft model, its LoRA layers) for ``base`` with the adapter loaded and scaled."""
     from peft import PeftModel
@@ -74,9 +81,7 @@ def _with_adapter(base: torch.nn.Module, adapter_folder: Path, scale: float):
     if not layers:
         peft_model.unload()
         raise BadInput(f"{adapter_folder}: the adapter targets no layer of the base")
-    if scale != 1.0:
-        for _, layer in layers:
-            layer.scale_layer(scale)
+    _scale(layers, scale)
     return peft_model, layers
 
 
@@ -195,9 +200,7 @@ def fused_weight_changes(base_info, adapter_info, *, scale: float) -> dict[str, 
     layers = _lora_layers(root)
     if getattr(loaded, "unexpected_keys", None) or {name for name, _ in layers} != set(adapter_info.target_modules):
         return None  # the adapter reaches beyond its LoRA targets: let the whole model take it
-    if scale != 1.0:
-        for _, layer in layers:
-            layer.scale_layer(scale)
+    _scale(layers, scale)
     with torch.no_grad():
         fused = _fused_weights(layers, None, torch.float16)
         if fused is not None:

@@ -82,6 +82,19 @@ TEMPLATES = "templates"
 VERIFIED = "verified"
 
 
+def _store(folder: Path, key: str, package: Path) -> Path:
+    """Put ``package`` at ``folder/KEY.mlpackage`` by an atomic rename (its record file, written
+    after, is what marks the entry complete); returns that path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = folder / f".{key}.incoming"
+    shutil.rmtree(temporary, ignore_errors=True)
+    place(package, temporary)
+    target = folder / f"{key}.mlpackage"
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(temporary, target)
+    return target
+
+
 class PartCache:
     """Parts on disk by content key (default: ``.adapterpack-cache`` beside the output)."""
 
@@ -95,13 +108,7 @@ class PartCache:
         return None
 
     def put(self, key: str, package: Path, record: dict) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        temporary = self.folder / f".{key}.incoming"
-        shutil.rmtree(temporary, ignore_errors=True)
-        place(package, temporary)
-        target = self.folder / f"{key}.mlpackage"
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(temporary, target)
+        _store(self.folder, key, package)
         (self.folder / f"{key}{PART_SUFFIX}").write_text(json.dumps(record, indent=2, sort_keys=True))
 
     def template(self, key: str) -> Path | None:
@@ -110,14 +117,7 @@ class PartCache:
         return package if package.is_dir() and package.with_suffix(".json").is_file() else None
 
     def put_template(self, key: str, package: Path, base_sha256: str) -> None:
-        folder = self.folder / TEMPLATES
-        folder.mkdir(parents=True, exist_ok=True)
-        temporary = folder / f".{key}.incoming"
-        shutil.rmtree(temporary, ignore_errors=True)
-        place(package, temporary)
-        target = folder / f"{key}.mlpackage"
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(temporary, target)
+        target = _store(self.folder / TEMPLATES, key, package)
         target.with_suffix(".json").write_text(json.dumps({"base": base_sha256}))
 
     def verified(self, keys: dict[str, str]) -> dict:

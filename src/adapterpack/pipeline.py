@@ -458,7 +458,7 @@ class _PartBuilder:
         return path
 
     def _fused_changes(self, name: str, adapter) -> dict | None:
-        """{module: (base, fused)} float16 weights of a fused adapter, or None if it changes more
+        """{tensor: (base, fused)} float16 values of a fused adapter, or None if it changes more
         than its LoRA targets (``modules_to_save``)."""
         from .lora import fused_weight_changes
 
