@@ -91,6 +91,16 @@ def make_adapter(
     return folder
 
 
+def make_project(root: Path, manifest: str, adapters: dict[str, dict]) -> Path:
+    """A Llama base in ``root/base``, each adapter (name -> ``make_adapter`` settings) in
+    ``root/NAME``, and ``manifest`` as ``root/m.yaml``; returns ``root``."""
+    make_base(root / "base", "llama")
+    for name, settings in adapters.items():
+        make_adapter(root / name, root / "base", **settings)
+    (root / "m.yaml").write_text(manifest)
+    return root
+
+
 def tree_digest(path: Path) -> str:
     """sha256 over a folder's file names and bytes (a package is a folder)."""
     import hashlib

@@ -12,7 +12,7 @@ from adapterpack.errors import BadInput
 from adapterpack.inspect_package import _values, _walk
 from adapterpack.merge import merge_functions, read_spec
 from adapterpack.pipeline import build, build_function_part
-from factories import make_adapter, make_base, tree_digest
+from factories import make_adapter, make_project, tree_digest
 
 MANIFEST = """name: merging
 base: {path: base}
@@ -28,12 +28,11 @@ compression: {method: palettize}
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("merging")
-    make_base(root / "base", "llama")
-    make_adapter(root / "chat", root / "base", std=0.1)
-    make_adapter(root / "code", root / "base", std=0.1, seed=4, targets=("q_proj", "gate_proj", "up_proj"))
-    (root / "m.yaml").write_text(MANIFEST)
-    return root
+    return make_project(
+        tmp_path_factory.mktemp("merging"),
+        MANIFEST,
+        {"chat": dict(std=0.1), "code": dict(std=0.1, seed=4, targets=("q_proj", "gate_proj", "up_proj"))},
+    )
 
 
 @pytest.fixture(scope="module")

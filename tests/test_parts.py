@@ -11,7 +11,7 @@ import pytest
 from adapterpack.errors import BadInput
 from adapterpack.functions import read_functions
 from adapterpack.pipeline import build, build_function_part, merge_from_parts
-from factories import make_adapter, make_base, tree_digest
+from factories import make_adapter, make_project, tree_digest
 
 MANIFEST = """name: parts
 base: {path: base}
@@ -26,12 +26,11 @@ compression: {method: palettize}
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("parts")
-    make_base(root / "base", "llama")
-    make_adapter(root / "chat", root / "base", std=0.1)
-    make_adapter(root / "code", root / "base", std=0.1, seed=4, targets=("gate_proj", "up_proj"))
-    (root / "m.yaml").write_text(MANIFEST)
-    return root
+    return make_project(
+        tmp_path_factory.mktemp("parts"),
+        MANIFEST,
+        {"chat": dict(std=0.1), "code": dict(std=0.1, seed=4, targets=("gate_proj", "up_proj"))},
+    )
 
 
 @pytest.fixture(scope="module")
