@@ -72,7 +72,7 @@ def test_build_writes_one_multifunction_package(built, project):
     assert listing["default"] == "code"
     for function in listing["functions"]:
         assert [x["name"] for x in function["inputs"]] == ["inputIds", "causalMask"]
-        assert [x["name"] for x in function["states"]] == ["keyCache", "valueCache"]
+        assert [x["name"] for x in function["states"]] == ["keyCache", "valueCache", "writtenSlots"]
         assert [x["name"] for x in function["outputs"]] == ["logits"]
         inputs = {x["name"]: x for x in function["inputs"]}
         assert inputs["inputIds"]["dtype"] == "int32" and inputs["inputIds"]["shape"] == "(1, 1...64)"

@@ -702,6 +702,43 @@ def test_unsupported_op_names_op_and_function(tmp_path: Path) -> None:
         convert_and_load(build_program({"x": x}, lambda x: mb.conv(x=x, weight=w)), tmp_path / "conv.mlpackage")
 
 
+def test_declared_type_that_lies_is_refused(tmp_path: Path) -> None:
+    """``torch.where`` on scalars under a flexible shape: coremltools declares ``select``'s result
+    rank 0 while it computes a matrix. The device compiles the declared types; so must we check."""
+    from adapterpack.executor import DeclaredTypeMismatch
+
+    class ScalarWhere(torch.nn.Module):
+        def forward(self, x):
+            return torch.where(x > 0, torch.zeros(()), torch.full((), -1.0)) + x
+
+    flex = ct.RangeDim(1, 8, default=2)
+    traced = torch.jit.trace(ScalarWhere().eval(), torch.ones(2, 3))
+    model = ct.convert(
+        traced, inputs=[ct.TensorType("x", shape=(flex, 3), dtype=np.float32)], minimum_deployment_target=IOS18,
+        compute_precision=ct.precision.FLOAT32, skip_model_load=True,
+    )
+    model.save(str(tmp_path / "where.mlpackage"))
+    ex = ProgramExecutor.load(tmp_path / "where.mlpackage")
+    assert "select" in ex.op_types()
+    with pytest.raises(DeclaredTypeMismatch, match=r"function 'main': op 'select' .* declares float32 rank 0 \(\) but computes float32 rank 2 \(4, 3\)"):
+        ex.predict({"x": np.ones((4, 3), np.float32)})
+
+    # The same computation with full-shaped operands declares what it computes and runs.
+    class FullWhere(torch.nn.Module):
+        def forward(self, x):
+            return (x > 0).to(torch.float32) - 1.0 + x
+
+    traced = torch.jit.trace(FullWhere().eval(), torch.ones(2, 3))
+    model = ct.convert(
+        traced, inputs=[ct.TensorType("x", shape=(flex, 3), dtype=np.float32)], minimum_deployment_target=IOS18,
+        compute_precision=ct.precision.FLOAT32, skip_model_load=True,
+    )
+    model.save(str(tmp_path / "full.mlpackage"))
+    x = np.array([[1, -1, 2], [0, 3, -2], [1, 1, 1], [-1, 0, 5]], np.float32)
+    out = ProgramExecutor.load(tmp_path / "full.mlpackage").predict({"x": x})
+    np.testing.assert_array_equal(next(iter(out.values())), np.where(x > 0, 0.0, -1.0) + x)
+
+
 def test_bad_inputs(tmp_path: Path) -> None:
     ex = convert_and_load(build_program({"x": X}, lambda x: mb.relu(x=x)), tmp_path / "r.mlpackage")
     with pytest.raises(KeyError, match="'x'"):
@@ -733,7 +770,8 @@ def _tiny_llama():
 
 
 def convert_decoder(hf_model, path: Path) -> None:
-    """ExportDecoder -> Core ML exactly as the packaging pipeline does it (fp16, two states)."""
+    """ExportDecoder -> Core ML exactly as the packaging pipeline does it (fp16, its states)."""
+    from adapterpack.convert import STATE_NAMES
     from adapterpack.export_decoder import ExportDecoder
 
     dec = ExportDecoder(hf_model, MAX_CONTEXT).eval()
@@ -749,8 +787,8 @@ def convert_decoder(hf_model, path: Path) -> None:
         ],
         outputs=[ct.TensorType("logits", dtype=np.float16)],
         states=[
-            ct.StateType(wrapped_type=ct.TensorType(shape=dec.keyCache.shape, dtype=np.float16), name="keyCache"),
-            ct.StateType(wrapped_type=ct.TensorType(shape=dec.valueCache.shape, dtype=np.float16), name="valueCache"),
+            ct.StateType(wrapped_type=ct.TensorType(shape=getattr(dec, name).shape, dtype=np.float16), name=name)
+            for name in STATE_NAMES
         ],
         minimum_deployment_target=IOS18,
         compute_precision=ct.precision.FLOAT16,
@@ -791,7 +829,7 @@ def test_llama_end_to_end(llama) -> None:
     path, ids, ref = llama
     ex = ProgramExecutor.load(path)
     assert ex.function_names == ["main"] and ex.default_function == "main"
-    assert set(ex.make_state()) == {"keyCache", "valueCache"}
+    assert set(ex.make_state()) == {"keyCache", "valueCache", "writtenSlots"}
     got = run_decoder(ex, ids)
     assert got.dtype == np.float16 and got.shape == ref.shape
     got = got.astype(np.float64)

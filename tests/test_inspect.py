@@ -260,7 +260,8 @@ def test_memory_estimate_uses_the_heaviest_function(kept):
     heaviest = max(report.functions, key=lambda f: f.referenced_bytes)
     assert estimate.function == heaviest.name == "code"  # rank 8 on the wide MLP: the larger adapter
     assert estimate.weights_bytes == heaviest.referenced_bytes < report.weight_data_bytes
-    assert estimate.kv_bytes == report.shape.kv_cache_bytes()
+    # every state: keyCache + valueCache + writtenSlots (one float16 per cache position)
+    assert estimate.kv_bytes == report.shape.state_bytes() == report.shape.kv_cache_bytes() + 2 * report.shape.max_context
     assert estimate.activations_known and estimate.activation_bytes > 0
 
 

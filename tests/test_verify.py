@@ -111,6 +111,71 @@ def test_altered_weights_fail_numerically_without_the_digest(float16_package, tm
     assert any(f.failures for f in report.functions)
 
 
+def _where_mask_bias(self, inputIds, start, end, causal_mask):  # noqa: N803
+    """The attention bias as it was once built: ``torch.where`` on 0-d operands, which coremltools
+    saves with a rank-0 declared type while it computes a (q, end) matrix."""
+    import torch
+
+    self.writtenSlots[:, :, :, start:end] = torch.ones_like(inputIds, dtype=torch.float16).view(1, 1, 1, -1)
+    q_pos = torch.arange(inputIds.shape[-1], dtype=torch.int32) + start
+    k_pos = torch.arange(end, dtype=torch.int32)
+    allowed = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)) & (self.writtenSlots[0, 0, :, :end] > 0)
+    causal = torch.where(allowed, torch.zeros(()), torch.full((), -1.0e4))
+    return causal.unsqueeze(0).unsqueeze(0) + causal_mask.to(torch.float32)
+
+
+def test_mistyped_program_fails_verify_naming_function_op_and_types(tmp_path, monkeypatch):
+    """A program whose declared types are not what its ops compute fails verify (exit 3), naming
+    the function, the op and both types, although its numbers are right."""
+    from adapterpack.export_decoder import ExportDecoder
+
+    make_base(tmp_path / "base", "llama")
+    make_adapter(tmp_path / "chat", tmp_path / "base", std=0.1)
+    (tmp_path / "m.yaml").write_text(
+        "name: w\nbase: {path: base}\nadapters: [{name: chat, path: chat}]\n"
+        "export: {max_context: 32}\ncompression: {method: none}\n"
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(ExportDecoder, "_attention_bias", _where_mask_bias)
+        package = build(tmp_path / "m.yaml", output=tmp_path / "w.mlpackage", verify=False).output
+    report = verify_package(package, load_manifest(tmp_path / "m.yaml"))
+    assert not report.passed
+    assert [
+        p for p in report.integrity
+        if "function 'chat'" in p and "op 'select'" in p and "declares float16 rank 0 ()" in p and "rank 2" in p
+    ], report.integrity
+    result = run("verify", package, "--manifest", tmp_path / "m.yaml")
+    assert result.returncode == 3 and "declared types" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_saved_type_that_coremltools_disagrees_with_fails_verify(float16_package, tmp_path):
+    """A saved declaration that differs from coremltools' own type inference (an attention output
+    declared rank 2) is reported as such, exit 3, not as a crash."""
+    import coremltools as ct
+
+    root, package = float16_package
+    mistyped = tmp_path / "mistyped.mlpackage"
+    shutil.copytree(package, mistyped)
+    spec_file = next(mistyped.rglob("model.mlmodel"))
+    spec = ct.proto.Model_pb2.Model.FromString(spec_file.read_bytes())
+    function = spec.mlProgram.functions["chat"]
+    operation = next(
+        op for op in function.block_specializations[function.opset].operations
+        if op.type == "scaled_dot_product_attention"
+    )
+    tensor = operation.outputs[0].type.tensorType
+    tensor.rank = 2
+    del tensor.dimensions[2:]
+    spec_file.write_bytes(spec.SerializeToString())
+
+    report = verify_package(mistyped, load_manifest(root / "m.yaml"))
+    assert [p for p in report.integrity if "function chat" in p and "declares types" in p], report.integrity
+    assert not [p for p in report.integrity if "function base" in p], report.integrity  # base is intact
+    result = run("verify", mistyped, "--manifest", root / "m.yaml")
+    assert result.returncode == 3 and "declared types" in result.stderr, result.stderr
+
+
 def test_coreml_backend_refused_off_macos(float16_package):
     if sys.platform == "darwin":
         pytest.skip("Core ML is available here")

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import EXIT_CODES, AdapterpackError
+from .errors import EXIT_CODES, AdapterpackError, BadInput
 
 EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {text.split(' (')[0]}" for code, text in EXIT_CODES.items()) + "."
 
@@ -156,18 +156,20 @@ def verify_table(report) -> Table:
     from .verify import REUSED_NOTE
 
     table = Table(title=f"verify {report.package.name} ({report.backend} backend)", title_justify="left")
-    for column in ("function", "compression", "cosine", "max |err|", "top-1", "KL", "retention", "result"):
-        table.add_column(column, justify="right" if column not in ("function", "compression", "result") else "left")
+    columns = ("function", "compression", "worse drive", "cosine", "max |err|", "top-1", "KL", "retention", "result")
+    for column in columns:
+        table.add_column(column, justify="right" if column not in ("function", "compression", "worse drive", "result") else "left")
     for f in report.functions:
         kept = "-" if f.retention is None else f"{f.retention:.3f}"
         result = "[green]pass[/]" if f.passed else "[red]FAIL[/]: " + "; ".join(f.failures)
         if REUSED_NOTE in f.notes:
             result += " (unchanged, verified before)"
         table.add_row(
-            f.name, f.compression, f"{f.cosine:.5f}", f"{f.max_abs_error:.3g}", f"{f.top1:.1%}", f"{f.kl:.2e}", kept, result
+            f.name, f.compression, f.drive or "-", f"{f.cosine:.5f}", f"{f.max_abs_error:.3g}", f"{f.top1:.1%}",
+            f"{f.kl:.2e}", kept, result,
         )
     for problem in report.integrity:
-        table.add_row("(package)", "", "", "", "", "", "", f"[red]FAIL[/]: {problem}")
+        table.add_row("(package)", "", "", "", "", "", "", "", f"[red]FAIL[/]: {problem}")
     return table
 
 
@@ -187,7 +189,7 @@ def build(
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verifying every function against PyTorch")] = False,
     backend: Annotated[str, typer.Option("--backend", help="Verification backend: numpy (any OS) or coreml (macOS)")] = "numpy",
     strict: Annotated[
-        bool, typer.Option("--strict", help="Treat warnings (adapter trained on a differently named base) as errors")
+        bool, typer.Option("--strict", help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors")
     ] = False,
     cache_dir: Annotated[
         Optional[Path],
@@ -215,8 +217,6 @@ def build(
 
         _check_backend(backend)
         if (function is None) != (parts is None):
-            from .errors import BadInput
-
             raise BadInput("--function and --parts go together (build one function's part for `adapterpack merge`)")
         if function is not None:
             from .pipeline import build_function_part
@@ -343,7 +343,7 @@ def release(
         bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")
     ] = False,
     strict: Annotated[
-        bool, typer.Option("--strict", help="Treat warnings (adapter trained on a differently named base) as errors")
+        bool, typer.Option("--strict", help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors")
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
 ) -> None:
@@ -368,16 +368,24 @@ def release(
 def validate(
     manifest: ManifestArg,
     allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters")] = False,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors",
+        ),
+    ] = False,
 ) -> None:
     """Check a manifest, its base and its adapters without building anything.
 
-    Example: adapterpack validate manifests/demo.yaml
+    Example: adapterpack validate manifests/demo.yaml --strict
     """
     _configure_logging(quiet=False)
     with error_boundary():
-        from .pipeline import check_inputs
+        from .pipeline import check_inputs, check_state_sizes
 
-        checked = check_inputs(manifest, allow_pickle=allow_pickle)
+        checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+        check_state_sizes(checked, strict=strict)
         m = checked.manifest
         out.print(
             f"{manifest}: ok: {len(m.function_names)} function(s) "
@@ -466,12 +474,16 @@ def inspect(
         Optional[str],
         typer.Option("--device", help="Only this device in the memory budget, e.g. iphone-15-pro (default: all)"),
     ] = None,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Exit 2 when the package breaks a device rule (they are warnings otherwise)")
+    ] = False,
 ) -> None:
     """Show where a package's bytes go and whether its heaviest function fits each device's memory.
 
     Per function: bytes only it uses, bytes shared with other functions, and its size built alone;
-    the package total, dedup ratio, largest tensors, compression by kind, and a memory budget
-    (weights + KV-cache + activations) against app memory limits with their sources.
+    the package total, dedup ratio, largest tensors, compression by kind, device rules the package
+    breaks (Neural Engine state sizes, the Swift client's contract), and a memory budget
+    (weights + states + activations) against app memory limits with their sources.
 
     Example: adapterpack inspect build/demo.mlpackage --top 5 --device iphone-15
     """
@@ -496,8 +508,10 @@ def inspect(
                 "devices": budget,
             }
             print(json.dumps(document, indent=2))
-            return
-        _print_inspection(report, estimate, budget, top)
+        else:
+            _print_inspection(report, estimate, budget, top)
+        if strict and report.device_findings:
+            raise BadInput(f"{report.device_findings[0].line()} (an error with --strict)")
 
 
 def _budget_rows(report, estimate, devices) -> list[dict]:
@@ -595,6 +609,8 @@ def _print_inspection(report, estimate, budget: list[dict], top: int) -> None:
         kinds.add_row(kind, _human(size), f"{share:.1%}")
     out.print(kinds)
 
+    for finding in report.device_findings:
+        out.print(f"[yellow]warning[/]: {finding.line()}", highlight=False)
     if estimate is None:
         out.print("memory budget: no keyCache state in this package, so no KV-cache size to estimate", highlight=False)
         return
@@ -603,7 +619,7 @@ def _print_inspection(report, estimate, budget: list[dict], top: int) -> None:
     out.print(
         f"model: {shape.n_layers} layers, {shape.n_kv_heads} kv heads x {shape.head_dim}, max_context "
         f"{shape.max_context}, vocab {shape.vocab or '?'}, hidden {shape.hidden or '?'}. Largest function "
-        f"{estimate.function}: weights {_human(estimate.weights_bytes)} + KV-cache {_human(estimate.kv_bytes)} + "
+        f"{estimate.function}: weights {_human(estimate.weights_bytes)} + states (KV-cache) {_human(estimate.kv_bytes)} + "
         f"activations {activations} (estimate) = {_human(estimate.need_bytes)}",
         highlight=False,
     )

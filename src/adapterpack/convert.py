@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import torch
 
-from .export_decoder import ExportDecoder
+from .export_decoder import WRITTEN_SLOTS, ExportDecoder
 from .quiet import captured_output, import_coremltools
 
 log = logging.getLogger(__name__)
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 INPUT_IDS = "inputIds"
 CAUSAL_MASK = "causalMask"
 LOGITS = "logits"
-STATE_NAMES = ("keyCache", "valueCache")
+STATE_NAMES = ("keyCache", "valueCache", WRITTEN_SLOTS)
 
 
 def deployment_target(name: str):
@@ -46,7 +46,6 @@ def convert_decoder(model: torch.nn.Module, *, max_context: int, target: str = "
     length = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
     mask_rows = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
     mask_end = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
-    cache_shape = decoder.keyCache.shape
     with captured_output():
         mlmodel = ct.convert(
             traced,
@@ -56,7 +55,7 @@ def convert_decoder(model: torch.nn.Module, *, max_context: int, target: str = "
             ],
             outputs=[ct.TensorType(name=LOGITS, dtype=np.float16)],
             states=[
-                ct.StateType(wrapped_type=ct.TensorType(shape=cache_shape, dtype=np.float16), name=name)
+                ct.StateType(wrapped_type=ct.TensorType(shape=getattr(decoder, name).shape, dtype=np.float16), name=name)
                 for name in STATE_NAMES
             ],
             minimum_deployment_target=deployment_target(target),

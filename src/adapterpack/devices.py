@@ -173,6 +173,12 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_context: i
     return 2 * n_layers * n_kv_heads * head_dim * max_context * dtype_bytes
 
 
+def state_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_context: int, dtype_bytes: int = 2) -> int:
+    """Bytes of every state a package's function holds: the key and value caches plus
+    ``writtenSlots`` (one value per cache position, see export_decoder)."""
+    return kv_cache_bytes(n_layers, n_kv_heads, head_dim, max_context, dtype_bytes) + max_context * dtype_bytes
+
+
 def activation_bytes(
     *,
     query: int,
@@ -258,7 +264,7 @@ def memory_need(
     max_query: int | None = None,
     dtype_bytes: int = 2,
 ) -> int:
-    """Weights + KV-cache + activations of the largest call for a package built with ``context``.
+    """Weights + states (KV-cache) + activations of the largest call for a package built with ``context``.
 
     The largest call prefills ``context`` tokens at once (the package accepts inputIds up to
     max_context long), unless ``max_query`` caps it for an app that prefills in chunks.
@@ -268,7 +274,7 @@ def memory_need(
     query = min(context, max_query) if max_query else context
     return (
         weights_bytes
-        + kv_cache_bytes(n_layers, n_kv_heads, head_dim, context, dtype_bytes)
+        + state_bytes(n_layers, n_kv_heads, head_dim, context, dtype_bytes)
         + activation_bytes(
             query=query,
             context=context,

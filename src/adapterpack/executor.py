@@ -30,11 +30,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SUPPORTED_OPS", "ProgramExecutor", "UnsupportedOp"]
+__all__ = ["SUPPORTED_OPS", "DeclaredTypeMismatch", "ProgramExecutor", "UnsupportedOp"]
 
 
 class UnsupportedOp(Exception):
     """The program uses an op type (or an op parameter) this executor does not implement."""
+
+
+class DeclaredTypeMismatch(Exception):
+    """An op computed a value whose dtype, rank or a static dimension differs from the type the
+    program declares for it. Core ML compiles the declared program on the device, so such a
+    package may be refused or mis-executed there even though this interpreter could run it."""
 
 
 Args = dict[str, Any]
@@ -972,6 +978,81 @@ class _Step:
     outs: tuple[int, ...]
     dtypes: tuple[Any, ...]
     state: str = ""
+    declared: tuple["_Declared | None", ...] = ()
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """The type a program declares for one value: dtype, rank and dims (None where symbolic)."""
+
+    dtype: Any  # numpy dtype, or None when the declaration is not a plain tensor type
+    dims: tuple[int | None, ...]
+
+    def describe(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in self.dims)
+        return f"{self.dtype} rank {len(self.dims)} ({dims})"
+
+    def mismatch(self, value: np.ndarray) -> str | None:
+        """Why ``value`` does not fit this declaration, or None when it does."""
+        if len(value.shape) != len(self.dims) or any(
+            want is not None and want != got for want, got in zip(self.dims, value.shape)
+        ):
+            return "shape"
+        # The interpreter widens float16 to float32 inside fused kernels (see ``_f32``), so a
+        # float is checked as a float, an integer as an integer and a bool as a bool.
+        if self.dtype is not None and _dtype_family(value.dtype) != _dtype_family(self.dtype):
+            return "dtype"
+        return None
+
+
+def _dtype_family(dtype: Any) -> str:
+    kind = np.dtype(dtype).kind
+    return {"f": "float", "i": "integer", "u": "integer", "b": "bool"}.get(kind, kind)
+
+
+# MIL proto data types -> numpy (the ones a tensor value of a program can have).
+_PROTO_DTYPES = {
+    "FLOAT16": np.float16, "FLOAT32": np.float32, "FLOAT64": np.float64, "BOOL": np.bool_,
+    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
+    "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+}
+
+
+def _declared_in_spec(spec: Any, functions: Sequence[str]) -> dict[str, dict[str, _Declared]]:
+    """{function: {value name: declared type}} as the saved program states them: the device
+    compiles these, not the types coremltools infers again when it loads the program."""
+    from coremltools.proto import MIL_pb2
+
+    declared: dict[str, dict[str, _Declared]] = {}
+    for name in functions:
+        function = spec.mlProgram.functions[name]
+        block = function.block_specializations[function.opset]
+        found: dict[str, _Declared] = {}
+        for op in block.operations:
+            for output in op.outputs:
+                if output.type.WhichOneof("type") != "tensorType":
+                    continue
+                tensor = output.type.tensorType
+                dims = tuple(
+                    int(d.constant.size) if d.WhichOneof("dimension") == "constant" else None
+                    for d in tensor.dimensions
+                )
+                if len(dims) != tensor.rank:  # a rank without dimensions: nothing to compare but the rank
+                    dims = (None,) * tensor.rank
+                dtype = _PROTO_DTYPES.get(MIL_pb2.DataType.Name(tensor.dataType))
+                found[output.name] = _Declared(np.dtype(dtype) if dtype is not None else None, dims)
+        declared[name] = found
+    return declared
+
+
+def _declared_of_var(var: Any) -> _Declared | None:
+    """The declared type of a var of an in-memory program (no saved spec to read)."""
+    from coremltools.converters.mil.mil import types
+
+    if not types.is_tensor(var.sym_type) and not types.is_scalar(var.sym_type):
+        return None
+    dims = tuple(d if isinstance(d, (int, np.integer)) else None for d in var.shape)
+    return _Declared(_declared_dtype(var), dims)
 
 
 @dataclass
@@ -1052,8 +1133,15 @@ WIDEN_BUDGET_BYTES = 1 << 30
 class ProgramExecutor:
     """numpy interpreter for the ML Program functions of one ``.mlpackage``."""
 
-    def __init__(self, program: Any, default_function: str | None = None) -> None:
+    def __init__(
+        self,
+        program: Any,
+        default_function: str | None = None,
+        declared: dict[str, dict[str, _Declared]] | None = None,
+    ) -> None:
         self._program = program
+        # Declared types from the saved spec (``load``); without one, the program's own var types.
+        self._declared = declared or {}
         names = list(program.functions)
         if default_function not in names:
             default_function = "main" if "main" in names else names[0]
@@ -1087,8 +1175,18 @@ class ProgramExecutor:
             if kept and spec.description.defaultFunctionName not in functions:
                 spec.description.defaultFunctionName = functions[0]
         weights_dir = _try_get_weights_dir_path(path) or str(Path(path) / "Data" / "com.apple.CoreML" / "weights")
-        program = load_milproto(spec, spec.specificationVersion, file_weights_dir=weights_dir)
-        return cls(program, spec.description.defaultFunctionName or None)
+        declared = _declared_in_spec(spec, list(spec.mlProgram.functions))
+        try:
+            program = load_milproto(spec, spec.specificationVersion, file_weights_dir=weights_dir)
+        except AssertionError as error:
+            # coremltools infers every op's type again while loading and asserts it equals the saved one.
+            if "var types" not in str(error):
+                raise
+            raise DeclaredTypeMismatch(
+                f"{path}: function(s) {', '.join(spec.mlProgram.functions)}: the saved program declares types "
+                f"that coremltools' own type inference does not give ({error})"
+            ) from None
+        return cls(program, spec.description.defaultFunctionName or None, declared)
 
     @staticmethod
     def function_names_of(package_path: str | Path) -> list[str]:
@@ -1162,7 +1260,12 @@ class ProgramExecutor:
             if step.kind == _WRITE:
                 value = np.asarray(env[step.args[0][1]])  # type: ignore[index]
                 shape, dtype = compiled.states[step.state]
-                value = value.astype(dtype, copy=False).reshape(shape)
+                if value.shape != shape:  # Core ML writes a state whole: the shapes must agree
+                    raise DeclaredTypeMismatch(
+                        f"function {name!r}: {step.op_type!r} -> {step.label!r} writes {value.shape} "
+                        f"into state {step.state!r} of shape {shape}"
+                    )
+                value = value.astype(dtype, copy=False)
                 live[step.state] = value
                 written.add(step.state)
                 env[step.outs[0]] = value
@@ -1203,8 +1306,14 @@ class ProgramExecutor:
             exc.add_note(f"while running op {step.op_type!r} -> {step.label!r} in function {function!r}")
             raise
         results = result if len(step.outs) > 1 else (result,)
-        for slot, value, dtype in zip(step.outs, results, step.dtypes):
+        for index, (slot, value, dtype) in enumerate(zip(step.outs, results, step.dtypes)):
             value = np.asarray(value)
+            declared = step.declared[index] if index < len(step.declared) else None
+            if declared is not None and declared.mismatch(value) is not None:
+                raise DeclaredTypeMismatch(
+                    f"function {function!r}: op {step.op_type!r} -> {step.label!r} declares "
+                    f"{declared.describe()} but computes {value.dtype} rank {value.ndim} {tuple(value.shape)}"
+                )
             if dtype is not None and value.dtype != dtype:
                 value = value.astype(dtype)
             env[slot] = value
@@ -1241,6 +1350,13 @@ class ProgramExecutor:
             else:
                 inputs.append(_InputSpec(in_name, slot, _declared_dtype(var), _concrete_shape(var.shape)))
 
+        in_spec = self._declared.get(name)
+
+        def declared_of(var: Any) -> _Declared | None:
+            if in_spec is not None:
+                return in_spec.get(var.name)
+            return _declared_of_var(var)
+
         steps: list[_Step] = []
         for op in func.operations:
             label = _label(op)
@@ -1259,6 +1375,13 @@ class ProgramExecutor:
                 if op.op_type == "coreml_update_state":
                     args = (("value", slot_of(op.inputs["value"])),)
                 kind = _READ if op.op_type == "read_state" else _WRITE
+                declared = declared_of(op.outputs[0])
+                state_shape, state_dtype = states[state_name]
+                if declared is not None and declared.mismatch(np.empty(state_shape, state_dtype)) is not None:
+                    raise DeclaredTypeMismatch(
+                        f"function {name!r}: op {op.op_type!r} -> {label!r} declares {declared.describe()} "
+                        f"for state {state_name!r} of {state_dtype} {state_shape}"
+                    )
                 steps.append(_Step(kind, op.op_type, label, None, args, (slot_of(op.outputs[0]),), (None,), state_name))
                 continue
             impl = _OPS[op.op_type]
@@ -1276,6 +1399,7 @@ class ProgramExecutor:
                 tuple(arg_list),
                 tuple(slot_of(o) for o in op.outputs),
                 tuple(_declared_dtype(o) for o in op.outputs),
+                declared=tuple(declared_of(o) for o in op.outputs),
             )
             refs = [r for _, ref in arg_list for r in (ref if isinstance(ref, tuple) else (ref,))]
             if all(r in static for r in refs):

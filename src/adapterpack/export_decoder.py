@@ -9,8 +9,16 @@ the Swift contract.
 
 Swift contract (swift-transformers ``LanguageModelWithStatefulKVCache``):
 ``inputIds`` (1, q) int32, ``causalMask`` (1, 1, q or 1, end) additive float16, states
-``keyCache``/``valueCache``, output ``logits`` (1, q, vocab). The client sends ZEROS for
-``causalMask``, so the causal structure is built here from ``start = end - q``.
+``keyCache``/``valueCache``, output ``logits`` (1, q, vocab). This call's tokens are written at
+cache positions ``start = end - q`` .. ``end - 1``, and the causal structure is built here: the
+client sends ZEROS for ``causalMask``.
+
+Two calling conventions meet here. Python clients in Apple's style send ``end = past + q``.
+swift-transformers sends ``end = tokenCount + 1`` (every token so far, plus one), so its prompt
+lands at positions 1..n and slot 0 is never written. Only rope's relative positions matter, so
+both give the same logits provided a slot no call has written is never attended: a third state,
+``writtenSlots``, marks the slots each call writes (``makeState()`` creates every state the model
+declares, so the Swift client needs no change).
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ from .families import SUPPORTED_FAMILIES, unsupported_message
 # Large enough that exp() underflows to 0 in float16 softmax, small enough not to overflow
 # when a caller's own additive mask is added on top.
 MASK_NEGATIVE = -1.0e4
+# Name of the state that marks written cache slots (1.0) against never-written ones (0.0, the
+# value Core ML and the executor give a fresh state).
+WRITTEN_SLOTS = "writtenSlots"
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,11 @@ class DecoderShape:
         # (layers, batch, kv_heads, context, head_dim): the layout of Apple's stateful Llama export.
         return (self.n_layers, 1, self.n_kv_heads, max_context, self.head_dim)
 
+    @staticmethod
+    def written_slots_shape(max_context: int) -> tuple[int, ...]:
+        # (batch, 1, 1, context): broadcasts against the (batch, heads, q, context) attention bias.
+        return (1, 1, 1, max_context)
+
 
 def rope_tables(hf_model, shape: DecoderShape, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (max_context, head_dim) from the model's own rotary embedding.
@@ -106,10 +122,14 @@ class ExportDecoder(nn.Module):
         # Buffer names become the Core ML state names.
         self.register_buffer("keyCache", torch.zeros(cache_shape, dtype=cache_dtype))
         self.register_buffer("valueCache", torch.zeros(cache_shape, dtype=cache_dtype))
+        self.register_buffer(
+            WRITTEN_SLOTS, torch.zeros(self.shape.written_slots_shape(self.max_context), dtype=cache_dtype)
+        )
 
     def reset_cache(self) -> None:
         self.keyCache.zero_()
         self.valueCache.zero_()
+        self.writtenSlots.zero_()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.shape.head_dim // 2
@@ -117,18 +137,27 @@ class ExportDecoder(nn.Module):
         x2 = x[..., half:]
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-    def _attention_bias(self, q_len, start, end, causal_mask: torch.Tensor) -> torch.Tensor:
+    def _attention_bias(self, inputIds, start, end, causal_mask: torch.Tensor) -> torch.Tensor:  # noqa: N803
+        """Additive bias (1, 1, q, end): causal, sliding window, written slots, plus the caller's mask.
+
+        Built from arithmetic on full-shaped tensors, not ``torch.where`` on scalars: coremltools
+        broadcasts ``select`` only for static shapes and would declare a rank-0 result here.
+        """
+        q_len = inputIds.shape[-1]
+        # Mark this call's slots as written before reading them back.
+        written = torch.ones_like(inputIds, dtype=self.writtenSlots.dtype).view(1, 1, 1, -1)
+        self.writtenSlots[:, :, :, start:end] = written
+        seen = self.writtenSlots[:, :, :, :end].to(torch.float32)
         # Token i of this call sits at position start + i and sees keys 0..start + i.
         q_pos = torch.arange(q_len, dtype=torch.int32) + start
         k_pos = torch.arange(end, dtype=torch.int32)
-        allowed = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        allowed = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).to(torch.float32)
         if self.shape.sliding_window is not None:
-            allowed = allowed & (k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.shape.sliding_window)
-        zero = torch.zeros((), dtype=torch.float32)
-        negative = torch.full((), MASK_NEGATIVE, dtype=torch.float32)
-        causal = torch.where(allowed, zero, negative)
+            inside = k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.shape.sliding_window
+            allowed = allowed * inside.to(torch.float32)
+        allowed = allowed.unsqueeze(0).unsqueeze(0) * seen
         # The caller's mask is only added on top; (1, 1, 1, end) broadcasts over the query axis.
-        return causal.unsqueeze(0).unsqueeze(0) + causal_mask.to(torch.float32)
+        return (1.0 - allowed) * MASK_NEGATIVE + causal_mask.to(torch.float32)
 
     def _attend(self, layer_idx: int, attn, hidden, cos, sin, bias, start, end) -> torch.Tensor:
         s = self.shape
@@ -164,7 +193,7 @@ class ExportDecoder(nn.Module):
         hidden = body.embed_tokens(inputIds)
         cos = self.rope_cos[start:end].to(hidden.dtype)
         sin = self.rope_sin[start:end].to(hidden.dtype)
-        bias = self._attention_bias(q_len, start, end, causalMask).to(hidden.dtype)
+        bias = self._attention_bias(inputIds, start, end, causalMask).to(hidden.dtype)
         for idx, layer in enumerate(body.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)

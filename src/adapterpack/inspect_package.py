@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from .device_rules import package_findings
 from .errors import BadInput
 
 MODEL_FOLDER = ("Data", "com.apple.CoreML")
@@ -123,11 +124,16 @@ class ModelShape:
     hidden: int | None = None
     n_heads: int | None = None
     intermediate: int | None = None
+    other_state_bytes: int = 0  # states besides keyCache/valueCache (writtenSlots)
 
     def kv_cache_bytes(self) -> int:
         from .devices import kv_cache_bytes
 
         return kv_cache_bytes(self.n_layers, self.n_kv_heads, self.head_dim, self.max_context, self.kv_dtype_bytes)
+
+    def state_bytes(self) -> int:
+        """Every state of a function: what ``makeState()`` allocates on the device."""
+        return self.kv_cache_bytes() + self.other_state_bytes
 
 
 @dataclass
@@ -145,6 +151,7 @@ class PackageReport:
     bytes_by_kind: dict[str, int]  # record data by compression kind, each record once
     records: int
     shape: ModelShape | None = None
+    device_findings: list = field(default_factory=list)  # device_rules.Finding: rules the package breaks
 
     @property
     def total_bytes(self) -> int:
@@ -212,6 +219,7 @@ class PackageReport:
             "largest_tensors": [asdict(t) for t in (self.tensors if top is None else self.largest(top))],
             "tensors": [asdict(t) for t in self.tensors],
             "shape": asdict(self.shape) if self.shape else None,
+            "device_rules": [asdict(f) for f in self.device_findings],
         }
 
 
@@ -237,11 +245,11 @@ def inspect_package(package: Path | str) -> PackageReport:
         raise BadInput(f"{package}: package not found")
     if not package.is_dir():
         raise BadInput(f"{package}: not a .mlpackage folder")
-    spec_path = _spec_path(package)
-    spec = load_spec_file(spec_path)
+    spec_file = spec_path(package)
+    spec = load_spec_file(spec_file)
     if spec.WhichOneof("Type") != "mlProgram":
         raise BadInput(f"{package}: not an ML Program (model type {spec.WhichOneof('Type')})")
-    model_folder = spec_path.parent
+    model_folder = spec_file.parent
 
     function_names = _function_names(spec)
     default = spec.description.defaultFunctionName or function_names[0]
@@ -304,6 +312,7 @@ def inspect_package(package: Path | str) -> PackageReport:
         bytes_by_kind=dict(sorted(by_kind.items(), key=lambda item: -item[1])),
         records=len(records),
         shape=_model_shape(spec, default),
+        device_findings=package_findings(spec),
     )
 
 
@@ -336,7 +345,7 @@ def memory_estimate(report: PackageReport) -> MemoryEstimate | None:
     return MemoryEstimate(
         function=largest.name,
         weights_bytes=largest.referenced_bytes,
-        kv_bytes=shape.kv_cache_bytes(),
+        kv_bytes=shape.state_bytes(),
         activation_bytes=activations,
         activations_known=known,
     )
@@ -345,7 +354,7 @@ def memory_estimate(report: PackageReport) -> MemoryEstimate | None:
 # -- the spec ---------------------------------------------------------------------------------
 
 
-def _spec_path(package: Path) -> Path:
+def spec_path(package: Path) -> Path:
     """The root model spec, as Manifest.json names it (the usual Data/com.apple.CoreML/model.mlmodel)."""
     default = package.joinpath(*MODEL_FOLDER, SPEC_NAME)
     manifest = package / "Manifest.json"
@@ -640,9 +649,14 @@ def _model_shape(spec, function: str) -> ModelShape | None:
     if len(dims) != 5:
         return None
     dtype_bytes = {65552: 2, 65568: 4}.get(array.dataType, 2)  # FLOAT16, FLOAT32
+    other = 0
+    for name, state in states.items():
+        if name not in ("keyCache", "valueCache"):
+            array_type = state.type.stateType.arrayType
+            other += math.prod(int(d) for d in array_type.shape) * {65552: 2, 65568: 4}.get(array_type.dataType, 2)
     shape = ModelShape(
         n_layers=int(dims[0]), n_kv_heads=int(dims[2]), head_dim=int(dims[4]), max_context=int(dims[3]),
-        kv_dtype_bytes=dtype_bytes,
+        kv_dtype_bytes=dtype_bytes, other_state_bytes=other,
     )
     _read_decoder_sizes(spec, function, shape)
     return shape

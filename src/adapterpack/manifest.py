@@ -153,8 +153,10 @@ class Adapter(_Strict):
 
 
 class Export(_Strict):
-    max_context: Annotated[StrictInt, Field(ge=1, le=MAX_CONTEXT_LIMIT)] | Literal["auto"] = Field(
-        default=512, description="KV-cache length, or `auto`: the largest that fits `target_device`"
+    # At least 2: swift-transformers sends a mask one slot wider than the tokens it holds.
+    max_context: Annotated[StrictInt, Field(ge=2, le=MAX_CONTEXT_LIMIT)] | Literal["auto"] = Field(
+        default=512,
+        description="KV-cache length (a multiple of 32 for the Neural Engine), or `auto`: the largest that fits `target_device`",
     )
     target_device: StrictStr | None = Field(
         default=None, description="Device whose app memory limit `max_context: auto` fits (adapterpack inspect lists them)"

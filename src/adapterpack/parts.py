@@ -20,6 +20,9 @@ from .errors import BadInput
 log = logging.getLogger(__name__)
 
 PART_SUFFIX = ".part.json"
+# Bump when the program a part holds changes for the same inputs (export_decoder, convert), so
+# cached parts and converted bases from before are not reused.
+PART_FORMAT = 2
 # Fields every part of one package must agree on.
 SHARED_FIELDS = ("manifest_name", "base", "max_context", "deployment_target", "versions", "function_order", "default_function")
 
@@ -34,7 +37,7 @@ def part_record(checked, name: str, hf_name: str) -> dict:
     mode = manifest.lora_mode(name) if adapter is not None else None
     compression = manifest.compression_for(name)
     return {
-        "format": 1,
+        "format": PART_FORMAT,
         "manifest_name": manifest.name,
         "function": name,
         "function_order": manifest.function_names,
@@ -189,8 +192,11 @@ def read_parts(folder: Path) -> list[tuple[dict, Path]]:
             record = json.loads(record_file.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise BadInput(f"{record_file}: not a readable part record ({error})") from None
-        if not isinstance(record, dict) or "function" not in record or record.get("format") != 1:
-            raise BadInput(f"{record_file}: not an adapterpack part record")
+        if not isinstance(record, dict) or "function" not in record or record.get("format") != PART_FORMAT:
+            raise BadInput(
+                f"{record_file}: not an adapterpack part record of this version (format {PART_FORMAT}): "
+                "build the parts again with this adapterpack"
+            )
         package = folder / f"{record['function']}.mlpackage"
         if not package.is_dir():
             raise BadInput(f"{record_file}: its package {package.name} is missing")

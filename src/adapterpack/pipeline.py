@@ -131,8 +131,23 @@ def check_inputs(
     return CheckedInputs(manifest=manifest, base=base, adapters=adapters)
 
 
+def check_state_sizes(checked: CheckedInputs, *, strict: bool) -> None:
+    """Device rules on the state sizes the export will have (device_rules), before any heavy work:
+    a warning, or BadInput with ``strict``."""
+    from .device_rules import cache_length_findings
+
+    manifest = checked.manifest
+    config = checked.base.config.get("text_config") or checked.base.config
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    for finding in cache_length_findings(int(manifest.export.max_context), int(head_dim), str(manifest.source)):
+        if strict:
+            raise BadInput(f"{finding.line()} (an error with --strict)")
+        log.warning("%s", finding.line())
+
+
 def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
     """``max_context: auto``: the largest context whose weights + KV-cache + activations fit the device."""
+    from .device_rules import NEURAL_ENGINE_STATE_MULTIPLE
     from .devices import estimated_weight_bytes, find_device, largest_context_that_fits
 
     config = base.config.get("text_config") or base.config
@@ -163,9 +178,29 @@ def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
     trained = config.get("max_position_embeddings")
     if trained and context > trained:  # more cache than the model has positions for is waste
         context = int(trained)
+    if context >= NEURAL_ENGINE_STATE_MULTIPLE:  # states the Neural Engine runs (see device_rules)
+        context -= context % NEURAL_ENGINE_STATE_MULTIPLE
     log.info("max_context: auto -> %d tokens (fits %s)", context, device.name)
     export = manifest.export.model_copy(update={"max_context": context})
     return manifest.model_copy(update={"export": export})
+
+
+def check_device_rules(package: Path, *, strict: bool, sizes_checked: bool = False) -> list:
+    """Warn about (or, with ``strict``, refuse) a package that breaks a device rule (device_rules).
+
+    ``sizes_checked``: the state-size rule was already reported from the manifest.
+    """
+    from .device_rules import package_findings
+    from .inspect_package import load_spec_file, spec_path
+
+    findings = package_findings(load_spec_file(spec_path(package)))
+    if sizes_checked:
+        findings = [f for f in findings if f.rule != "ane-state-multiple"]
+    for finding in findings:
+        if strict:
+            raise BadInput(f"{finding.line()} (an error with --strict)")
+        log.warning("%s", finding.line())
+    return findings
 
 
 def hf_name(checked: CheckedInputs) -> str:
@@ -206,6 +241,7 @@ def build(
     reporter = reporter or Reporter()
     started = time.perf_counter()
     checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+    check_state_sizes(checked, strict=strict)
     manifest = checked.manifest
     destination = manifest.output_path(output)
     if destination.exists() and not force:
@@ -221,6 +257,7 @@ def build(
         merged = staging.folder / destination.name
         with reporter.stage("merge functions"):
             merge_parts(parts, merged)
+        check_device_rules(merged, strict=strict, sizes_checked=True)
         report = None
         if verify:
             from .errors import VerificationFailed
@@ -352,11 +389,12 @@ def template_key(checked: CheckedInputs, compression=None) -> str:
     """Cache key of the converted base, uncompressed (None) or compressed as ``compression`` says."""
     from .compress import PALETTE_ALGORITHM
     from .merge import library_versions
-    from .parts import part_key
+    from .parts import PART_FORMAT, part_key
 
     export = checked.manifest.export
     record = {
         "template": 2,
+        "format": PART_FORMAT,
         "base": checked.base.content_hash,
         "max_context": export.max_context,
         "deployment_target": export.deployment_target,
@@ -596,6 +634,7 @@ def build_function_part(
 
     reporter = reporter or Reporter()
     checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+    check_state_sizes(checked, strict=strict)
     if function not in checked.manifest.function_names:
         raise BadInput(
             f"--function {function}: not a function of {checked.manifest.source}: "
@@ -637,6 +676,7 @@ def merge_from_parts(
         merged = staging.folder / destination.name
         with reporter.stage(f"merge {len(parts)} parts"):
             merge_parts(parts, merged)
+        check_device_rules(merged, strict=False)
         if checked is not None:
             from .errors import VerificationFailed
             from .verify import verify_package

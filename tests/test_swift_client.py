@@ -1,0 +1,151 @@
+"""Every function, driven call for call as the real Swift client drives it, gives peft's logits.
+
+swift-transformers' ``LanguageModelWithStatefulKVCache`` (Sources/Models/LanguageModel.swift)
+prefills the whole prompt in one call, then sends the last token alone, and for every call sends
+``causalMask`` = zeros of shape (1, 1, 1, tokenCount + 1), tokenCount being the length of the
+whole sequence so far; it reads the logits of the call's last row. Its mask is one slot wider
+than the tokens, so its prompt lands at cache positions 1..n and slot 0 is never written: a
+package that attends to that slot drifts from the reference. The emulation below follows that
+code, and the reference is the float32 base with the adapter applied by peft, unmerged.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from adapterpack.executor import ProgramExecutor
+from adapterpack.manifest import load_manifest
+from adapterpack.pipeline import build
+from adapterpack.verify import compare_logits, verify_package
+from factories import FAMILIES, make_adapter, make_base
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT_LENGTH = 11
+NEW_TOKENS = 12
+
+
+def swift_generate(executor: ProgramExecutor, function: str, prompt: list[int], new_tokens: int):
+    """Greedy generation exactly as ``LanguageModelWithStatefulKVCache`` calls the model.
+
+    Returns the whole token list and the logits row the client read at each call.
+    """
+    tokens = list(prompt)
+    state = executor.make_state(function)  # resetState(): a fresh makeState()
+    input_ids = np.array([tokens], np.int32)  # prefilling: every token
+    rows = []
+    for _ in range(new_tokens):
+        mask = np.zeros((1, 1, 1, len(tokens) + 1), np.float16)  # MLTensor(zeros: [1, 1, 1, tokenCount + 1])
+        logits = executor.predict({"inputIds": input_ids, "causalMask": mask}, state=state, function=function)["logits"]
+        assert logits.ndim == 3  # the client asserts scores.rank == 3
+        row = logits[0, input_ids.shape[1] - 1]  # tokenIndex = inputIds.shape[1] - 1
+        rows.append(row.astype(np.float32))
+        tokens.append(int(np.argmax(row)))
+        input_ids = np.array([[tokens[-1]]], np.int32)  # extending: the last token only
+    return tokens, np.stack(rows)
+
+
+def peft_logits(base_folder: Path, adapter_folder: Path | None, tokens: list[int]) -> np.ndarray:
+    """Logits (tokens, vocab) of the float32 base with the adapter applied by peft, unmerged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    if adapter_folder is not None:
+        model = PeftModel.from_pretrained(model, adapter_folder)
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+def check_like_the_swift_client(package: Path, base: Path, adapters: dict[str, Path | None], vocab: int) -> None:
+    executor = ProgramExecutor.load(package)
+    prompt = list(np.random.default_rng(3).integers(0, vocab, PROMPT_LENGTH))
+    for function, adapter in adapters.items():
+        tokens, rows = swift_generate(executor, function, prompt, NEW_TOKENS)
+        reference = peft_logits(base, adapter, tokens[:-1])[PROMPT_LENGTH - 1 :]
+        metrics = compare_logits(rows, reference)
+        assert metrics["cosine"] >= 0.9999 and metrics["top1"] == 1.0, (function, metrics)
+
+
+def assert_both_drives_pass(package: Path, manifest: Path) -> None:
+    report = verify_package(package, load_manifest(manifest))
+    assert report.passed, report.verdict()
+    for function in report.functions:
+        assert set(function.by_drive) == {"swift", "python"}, function
+        for drive, figures in function.by_drive.items():
+            assert figures["cosine"] >= 0.9999 and figures["top1"] == 1.0, (function.name, drive, figures)
+
+
+@pytest.fixture(scope="module", params=[*FAMILIES, "mistral-window"])
+def family_package(request, tmp_path_factory):
+    """A float16 package per family with a fused adapter, a kept adapter and the base."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"swift-{family}")
+    if family == "mistral-window":  # a sliding window shorter than the sequence
+        make_base(root / "base", "mistral", sliding_window=8)
+    else:
+        make_base(root / "base", family)
+    make_adapter(root / "fused", root / "base", std=0.1, r=4, targets=("q_proj", "v_proj", "down_proj"), seed=5)
+    make_adapter(root / "kept", root / "base", std=0.1, r=8, targets=("q_proj", "k_proj", "o_proj"), seed=6)
+    (root / "m.yaml").write_text(
+        textwrap.dedent(
+            """\
+            name: swift
+            base: {path: base}
+            include_base: base
+            export: {max_context: 32}
+            compression: {method: none}
+            verify: {prefill: 9, decode_steps: 12}
+            adapters:
+              - {name: fused, path: fused, lora: fuse}
+              - {name: kept, path: kept, lora: keep}
+            """
+        )
+    )
+    result = build(root / "m.yaml", output=root / "out.mlpackage", cache_dir=root / "cache", verify=False)
+    return root, result
+
+
+def test_family_functions_match_peft_under_the_swift_client(family_package):
+    root, result = family_package
+    adapters = {"fused": root / "fused", "kept": root / "kept", "base": None}
+    check_like_the_swift_client(result.output, root / "base", adapters, vocab=96)
+
+
+def test_family_functions_pass_verify_under_both_drives(family_package):
+    root, result = family_package
+    assert_both_drives_pass(result.output, root / "m.yaml")
+
+
+@pytest.fixture(scope="module")
+def demo_float16(tmp_path_factory):
+    """The demo's skills at float16: code and docs fused, zen kept."""
+    data = yaml.safe_load((REPO / "manifests" / "demo.yaml").read_text())
+    data["compression"] = {"method": "none"}
+    for adapter in data["adapters"]:
+        adapter.pop("compression", None)
+        adapter["lora"] = "keep" if adapter["name"] == "zen" else "fuse"
+    out = tmp_path_factory.mktemp("demo-swift")
+    manifest = REPO / "manifests" / f".demo-swift-{out.name}.yaml"  # beside demo.yaml: its paths are relative
+    manifest.write_text(yaml.safe_dump(data))
+    try:
+        result = build(manifest, output=out / "demo.mlpackage", cache_dir=out / "cache", verify=False)
+        yield manifest, result
+    finally:
+        manifest.unlink()
+
+
+def test_demo_functions_match_peft_under_the_swift_client(demo_float16):
+    demo = REPO / "adapters" / "demo"
+    adapters = {"code": demo / "code", "docs": demo / "docs", "zen": demo / "zen", "base": None}
+    check_like_the_swift_client(demo_float16[1].output, demo / "base", adapters, vocab=256)
+
+
+def test_demo_functions_pass_verify_under_both_drives(demo_float16):
+    manifest, result = demo_float16
+    assert_both_drives_pass(result.output, manifest)
