@@ -3,3 +3,20 @@ from pathlib import Path
 
 # Test helpers (factories.py) live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest  # noqa: E402
+
+from factories import FAMILIES, make_family_project  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_build(request, tmp_path_factory):
+    """(family, root, BuildResult): a float16 package per family with every FAMILY_ADAPTERS
+    function and the base, built and verified once for the whole session."""
+    from adapterpack.pipeline import build
+
+    family = request.param
+    root = tmp_path_factory.mktemp(f"build-{family}")
+    manifest = make_family_project(root, family)
+    return family, root, build(manifest, output=root / "out.mlpackage")

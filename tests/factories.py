@@ -91,6 +91,43 @@ def make_adapter(
     return folder
 
 
+# One package per family holds a function for each of these (see conftest.family_build).
+FAMILY_ADAPTERS = {
+    # rsLoRA with per-module rank and alpha patterns, on attention
+    "rs": dict(
+        r=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"), use_rslora=True,
+        rank_pattern={"v_proj": 8}, alpha_pattern={"o_proj": 32},
+    ),
+    # the MLP only, high alpha, a manifest scale
+    "mlp": dict(r=8, alpha=32, targets=("gate_proj", "up_proj", "down_proj"), seed=7, scale=0.7),
+    # everything, rank 2
+    "all": dict(
+        r=2, alpha=2, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), seed=9,
+    ),
+    # the negative control: lora_B = 0 must leave the base unchanged
+    "zero": dict(r=4, alpha=8, targets=("q_proj", "v_proj"), zero_b=True, seed=11),
+    # kept unfused: the LoRA branch is part of the program
+    "kept": dict(r=8, alpha=16, targets=("q_proj", "k_proj", "o_proj"), seed=13, lora="keep"),
+}
+
+
+def make_family_project(root: Path, family: str) -> Path:
+    """A float16 manifest over a ``family`` base with every ``FAMILY_ADAPTERS`` function; returns it."""
+    make_base(root / "base", family)
+    entries = []
+    for name, settings in FAMILY_ADAPTERS.items():
+        settings = dict(settings)
+        extras = {key: settings.pop(key) for key in ("scale", "lora") if key in settings}
+        # Realistic magnitudes: large enough to move the logits, small enough for float16.
+        make_adapter(root / name, root / "base", std=0.1, **settings)
+        entries.append(f"  - name: {name}\n    path: {name}\n" + "".join(f"    {k}: {v}\n" for k, v in extras.items()))
+    (root / "m.yaml").write_text(
+        "name: numerics\nbase: {path: base}\ninclude_base: base\nexport: {max_context: 40}\n"
+        "compression: {method: none}\nverify: {prefill: 9, decode_steps: 7}\nadapters:\n" + "".join(entries)
+    )
+    return root / "m.yaml"
+
+
 def make_project(root: Path, manifest: str, adapters: dict[str, dict]) -> Path:
     """A Llama base in ``root/base``, each adapter (name -> ``make_adapter`` settings) in
     ``root/NAME``, and ``manifest`` as ``root/m.yaml``; returns ``root``."""

@@ -1,72 +1,25 @@
 """Built packages match the unmerged peft model, for every family and many LoRA settings.
 
-Each package is executed (prefill + decode through the states) on the numpy ML Program executor
-and compared with PyTorch; uncompressed functions must reach top-1 >= 99% and cosine >= 0.999.
+Each package (the session's ``family_build``, see conftest.py) is executed (prefill + decode
+through the states) on the numpy ML Program executor and compared with PyTorch; uncompressed
+functions must reach top-1 >= 99% and cosine >= 0.999.
 """
 
 from __future__ import annotations
 
-import textwrap
 
 import numpy as np
 import pytest
 
 from adapterpack.executor import ProgramExecutor
 from adapterpack.pipeline import build
-from factories import FAMILIES, make_adapter, make_base
-
-ADAPTER_SETTINGS = {
-    # rsLoRA with per-module rank and alpha patterns, on attention
-    "rs": dict(
-        r=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"), use_rslora=True,
-        rank_pattern={"v_proj": 8}, alpha_pattern={"o_proj": 32},
-    ),
-    # the MLP only, high alpha
-    "mlp": dict(r=8, alpha=32, targets=("gate_proj", "up_proj", "down_proj"), seed=7),
-    # everything, rank 2
-    "all": dict(
-        r=2, alpha=2, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), seed=9,
-    ),
-    # the negative control: lora_B = 0 must leave the base unchanged
-    "zero": dict(r=4, alpha=8, targets=("q_proj", "v_proj"), zero_b=True, seed=11),
-}
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_build(request, tmp_path_factory):
-    family = request.param
-    root = tmp_path_factory.mktemp(f"build-{family}")
-    make_base(root / "base", family)
-    entries = []
-    for name, settings in ADAPTER_SETTINGS.items():
-        # Realistic magnitudes: large enough to move the logits, small enough for float16.
-        make_adapter(root / name, root / "base", std=0.1, **settings)
-        scale = "    scale: 0.7\n" if name == "mlp" else ""
-        entries.append(f"  - name: {name}\n    path: {name}\n{scale}")
-    manifest = root / "m.yaml"
-    manifest.write_text(
-        textwrap.dedent(
-            """\
-            name: numerics
-            base: {path: base}
-            include_base: base
-            export: {max_context: 40}
-            compression: {method: none}
-            verify: {prefill: 9, decode_steps: 7}
-            adapters:
-            """
-        )
-        + "".join(entries)
-    )
-    result = build(manifest, output=root / "out.mlpackage")
-    return family, result
-
+from factories import FAMILY_ADAPTERS, make_adapter, make_base
 
 def test_every_function_matches_unmerged_peft(family_build):
-    family, result = family_build
+    family, _, result = family_build
     report = result.verify_report
     assert report is not None and report.passed, report.verdict()
-    assert {f.name for f in report.functions} == set(ADAPTER_SETTINGS) | {"base"}
+    assert {f.name for f in report.functions} == set(FAMILY_ADAPTERS) | {"base"}
     for function in report.functions:
         assert function.top1 >= 0.99, (family, function)
         assert function.cosine >= 0.999, (family, function)
@@ -77,7 +30,7 @@ def test_every_function_matches_unmerged_peft(family_build):
 
 
 def test_zero_adapter_follows_base_and_random_adapter_does_not(family_build):
-    _, result = family_build
+    _, _, result = family_build
     executor = ProgramExecutor.load(result.output)
     ids = np.array([[5, 17, 3, 44, 8, 2]], dtype=np.int32)
     mask = np.zeros((1, 1, 1, ids.shape[1]), dtype=np.float16)
@@ -94,7 +47,7 @@ def test_zero_adapter_follows_base_and_random_adapter_does_not(family_build):
 def test_family_op_types_all_have_executor_tests(family_build):
     from test_executor import TESTED_OPS
 
-    _, result = family_build
+    _, _, result = family_build
     executor = ProgramExecutor.load(result.output)
     for function in executor.function_names:
         assert not executor.op_types(function) - TESTED_OPS, (function, executor.op_types(function) - TESTED_OPS)

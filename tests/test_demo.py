@@ -99,6 +99,7 @@ def test_demo_float16_matches_torch(tmp_path):
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_demo_keep_mode_stores_the_base_once(tmp_path):
     """Three unfused skills weigh little more than the base alone: the base weights are shared."""
     import yaml

@@ -114,6 +114,7 @@ def test_merge_refuses_a_multifunction_input(parts, tmp_path):
                         metadata={}, description="d")
 
 
+@pytest.mark.slow
 def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, monkeypatch):
     """Fused functions patched into the compressed base are byte-identical to compressing each
     fused model whole (the path taken when the patch cannot match)."""
@@ -138,6 +139,7 @@ def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, mon
     assert tree_digest(fast.output) == tree_digest(slow.output)
 
 
+@pytest.mark.slow
 def test_rebuild_of_a_fused_adapter_does_not_load_the_base(project, tmp_path, monkeypatch):
     import shutil
 

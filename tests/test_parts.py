@@ -74,6 +74,7 @@ def test_fan_out_parts_merge_to_the_same_package(project, full_build, tmp_path):
     assert tree_digest(merged.output) == tree_digest(full_build.output)
 
 
+@pytest.mark.slow
 def test_merge_refuses_parts_that_do_not_belong_together(project, tmp_path):
     parts = tmp_path / "parts"
     build_function_part(project / "m.yaml", "chat", parts)
@@ -95,6 +96,7 @@ def test_unknown_function_part_is_bad_input(project, tmp_path):
         build_function_part(project / "m.yaml", "zen", tmp_path / "parts")
 
 
+@pytest.mark.slow
 def test_rebuild_verifies_only_what_changed(project, tmp_path):
     from adapterpack.verify import REUSED_NOTE
 

@@ -20,10 +20,9 @@ import torch
 import yaml
 
 from adapterpack.executor import ProgramExecutor
-from adapterpack.manifest import load_manifest
 from adapterpack.pipeline import build
-from adapterpack.verify import compare_logits, verify_package
-from factories import FAMILIES, make_adapter, make_base
+from adapterpack.verify import compare_logits
+from factories import make_adapter, make_base
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LENGTH = 11
@@ -72,27 +71,32 @@ def check_like_the_swift_client(package: Path, base: Path, adapters: dict[str, P
         assert metrics["cosine"] >= 0.9999 and metrics["top1"] == 1.0, (function, metrics)
 
 
-def assert_both_drives_pass(package: Path, manifest: Path) -> None:
-    report = verify_package(package, load_manifest(manifest))
-    assert report.passed, report.verdict()
+def assert_both_drives_pass(report) -> None:
+    assert report is not None and report.passed, report.verdict()
     for function in report.functions:
         assert set(function.by_drive) == {"swift", "python"}, function
         for drive, figures in function.by_drive.items():
             assert figures["cosine"] >= 0.9999 and figures["top1"] == 1.0, (function.name, drive, figures)
 
 
-@pytest.fixture(scope="module", params=[*FAMILIES, "mistral-window"])
-def family_package(request, tmp_path_factory):
-    """A float16 package per family with a fused adapter, a kept adapter and the base."""
-    family = request.param
-    root = tmp_path_factory.mktemp(f"swift-{family}")
-    if family == "mistral-window":  # a sliding window shorter than the sequence
-        make_base(root / "base", "mistral", sliding_window=8)
-    else:
-        make_base(root / "base", family)
-    make_adapter(root / "fused", root / "base", std=0.1, r=4, targets=("q_proj", "v_proj", "down_proj"), seed=5)
-    make_adapter(root / "kept", root / "base", std=0.1, r=8, targets=("q_proj", "k_proj", "o_proj"), seed=6)
-    (root / "m.yaml").write_text(
+def test_family_functions_match_peft_under_the_swift_client(family_build):
+    """Fused (rank and alpha patterns, MLP, all modules), kept and base functions of every family."""
+    _, root, result = family_build
+    adapters = {"rs": root / "rs", "all": root / "all", "kept": root / "kept", "base": None}
+    check_like_the_swift_client(result.output, root / "base", adapters, vocab=96)
+
+
+def test_family_functions_pass_verify_under_both_drives(family_build):
+    _, _, result = family_build
+    assert_both_drives_pass(result.verify_report)
+
+
+def test_sliding_window_shorter_than_the_sequence(tmp_path):
+    """Mistral's sliding window counts positions, which the Swift client shifts by one."""
+    make_base(tmp_path / "base", "mistral", sliding_window=8)
+    make_adapter(tmp_path / "fused", tmp_path / "base", std=0.1, r=4, targets=("q_proj", "v_proj", "down_proj"), seed=5)
+    make_adapter(tmp_path / "kept", tmp_path / "base", std=0.1, r=8, targets=("q_proj", "k_proj", "o_proj"), seed=6)
+    (tmp_path / "m.yaml").write_text(
         textwrap.dedent(
             """\
             name: swift
@@ -107,19 +111,10 @@ def family_package(request, tmp_path_factory):
             """
         )
     )
-    result = build(root / "m.yaml", output=root / "out.mlpackage", cache_dir=root / "cache", verify=False)
-    return root, result
-
-
-def test_family_functions_match_peft_under_the_swift_client(family_package):
-    root, result = family_package
-    adapters = {"fused": root / "fused", "kept": root / "kept", "base": None}
-    check_like_the_swift_client(result.output, root / "base", adapters, vocab=96)
-
-
-def test_family_functions_pass_verify_under_both_drives(family_package):
-    root, result = family_package
-    assert_both_drives_pass(result.output, root / "m.yaml")
+    result = build(tmp_path / "m.yaml", output=tmp_path / "out.mlpackage", cache_dir=tmp_path / "cache")
+    assert_both_drives_pass(result.verify_report)
+    adapters = {"fused": tmp_path / "fused", "kept": tmp_path / "kept", "base": None}
+    check_like_the_swift_client(result.output, tmp_path / "base", adapters, vocab=96)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +129,7 @@ def demo_float16(tmp_path_factory):
     manifest = REPO / "manifests" / f".demo-swift-{out.name}.yaml"  # beside demo.yaml: its paths are relative
     manifest.write_text(yaml.safe_dump(data))
     try:
-        result = build(manifest, output=out / "demo.mlpackage", cache_dir=out / "cache", verify=False)
+        result = build(manifest, output=out / "demo.mlpackage", cache_dir=out / "cache")
         yield manifest, result
     finally:
         manifest.unlink()
@@ -147,5 +142,4 @@ def test_demo_functions_match_peft_under_the_swift_client(demo_float16):
 
 
 def test_demo_functions_pass_verify_under_both_drives(demo_float16):
-    manifest, result = demo_float16
-    assert_both_drives_pass(result.output, manifest)
+    assert_both_drives_pass(demo_float16[1].verify_report)

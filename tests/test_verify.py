@@ -185,6 +185,7 @@ def test_coreml_backend_refused_off_macos(float16_package):
     assert "needs macOS" in result.stderr
 
 
+@pytest.mark.slow
 def test_washed_out_adapter_is_reported(tmp_path):
     """A fused adapter whose delta is far below the 4-bit palette step does not survive; a strong one does."""
     make_base(tmp_path / "base", "llama", hidden_size=128, intermediate_size=256)
