@@ -183,7 +183,7 @@ def peak_rss_of(command: list[str], timeout: float | None) -> dict:
         return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_gib": round(sampled[0], 2),
                 "finished": False, "cut_off_after_seconds": timeout,
                 "progress": [line for line in stdout.splitlines() if line.startswith("baseline")]}
-    line = next((l for l in stdout.splitlines() if l.startswith("PEAK")), "PEAK 0 1")
+    line = next((text for text in stdout.splitlines() if text.startswith("PEAK")), "PEAK 0 1")
     _, kib, code = line.split()
     finished = code == "0"
     if not finished:

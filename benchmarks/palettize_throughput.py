@@ -25,15 +25,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from adapterpack.quiet import captured_output  # noqa: E402
+from adapterpack.quiet import captured_output
 
 
 def install_kmeans1d_shim() -> None:
-    import kmeans1d
-
-    from coremltools.models.neural_network import quantization_utils
-
     from collections import namedtuple
+
+    import kmeans1d
+    from coremltools.models.neural_network import quantization_utils
 
     Clustered = namedtuple("Clustered", ["clusters", "centroids"])
 
@@ -104,8 +103,8 @@ def main() -> None:
     ct = coremltools_with_sklearn()
     from coremltools.optimize import coreml as cto
 
-    from adapterpack.compress import clear_palette_memo, compress_model
-    from adapterpack.manifest import Compression
+    from adapterpack.compress.model import clear_palette_memo, compress_model
+    from adapterpack.config.manifest import Compression
 
     install_kmeans1d_shim()
     params = args.layers * args.size * args.size

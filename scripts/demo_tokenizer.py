@@ -67,7 +67,14 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def build_hf_tokenizer():
     """The byte tokenizer as a ``tokenizers.Tokenizer`` (ids identical to :func:`encode`)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     # No merges: BPE then maps every byte-character to its own id, i.e. id == byte value.

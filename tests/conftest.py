@@ -14,7 +14,7 @@ from factories import FAMILIES, make_family_project  # noqa: E402
 def family_build(request, tmp_path_factory):
     """(family, root, BuildResult): a float16 package per family with every FAMILY_ADAPTERS
     function and the base, built and verified once for the whole session."""
-    from adapterpack.pipeline import build
+    from adapterpack.build.pipeline import build
 
     family = request.param
     root = tmp_path_factory.mktemp(f"build-{family}")

@@ -7,13 +7,13 @@ functions must reach top-1 >= 99% and cosine >= 0.999.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from adapterpack.executor import ProgramExecutor
-from adapterpack.pipeline import build
+from adapterpack.build.pipeline import build
+from adapterpack.verify.executor import ProgramExecutor
 from factories import FAMILY_ADAPTERS, make_adapter, make_base
+
 
 def test_every_function_matches_unmerged_peft(family_build):
     family, _, result = family_build

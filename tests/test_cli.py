@@ -80,7 +80,7 @@ def test_build_writes_one_multifunction_package(built, project):
 
 
 def test_package_metadata_records_provenance(built, project):
-    from adapterpack.functions import read_functions
+    from adapterpack.mlpackage.functions import read_functions
 
     metadata = read_functions(built).metadata
     assert metadata["co.huggingface.exporters.name"] == "adapterpack-tests/tiny-llama"
@@ -93,7 +93,7 @@ def test_package_metadata_records_provenance(built, project):
 
 def test_package_is_deduplicated(project, tmp_path):
     """Shared weights are stored once: the package is smaller than its functions built alone."""
-    from adapterpack.pipeline import build
+    from adapterpack.build.pipeline import build
 
     result = build(project / "tiny.yaml", output=tmp_path / "dedup.mlpackage", verify=False)
     alone = sum(result.part_sizes.values())

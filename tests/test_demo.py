@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.executor import ProgramExecutor
-from adapterpack.pipeline import build
+from adapterpack.build.pipeline import build
+from adapterpack.verify.executor import ProgramExecutor
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "manifests" / "demo.yaml"
@@ -72,7 +72,7 @@ def test_demo_op_types_all_have_executor_tests(demo):
 
 
 def test_demo_metadata_names_the_tokenizer(demo):
-    from adapterpack.functions import read_functions
+    from adapterpack.mlpackage.functions import read_functions
 
     metadata = read_functions(demo.output).metadata
     assert metadata["co.huggingface.exporters.name"] == "adapterpack/demo-base"
@@ -104,7 +104,7 @@ def test_demo_keep_mode_stores_the_base_once(tmp_path):
     """Three unfused skills weigh little more than the base alone: the base weights are shared."""
     import yaml
 
-    from adapterpack.inspect_package import inspect_package
+    from adapterpack.report.inspect import inspect_package
 
     keep = build(REPO / "manifests" / "demo-keep.yaml", output=tmp_path / "keep.mlpackage", cache_dir=tmp_path / "c")
     data = yaml.safe_load((REPO / "manifests" / "demo-keep.yaml").read_text())

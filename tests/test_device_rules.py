@@ -11,9 +11,10 @@ import textwrap
 
 import pytest
 
-from adapterpack.device_rules import cache_length_findings, package_findings
-from adapterpack.inspect_package import load_spec_file, spec_path
-from adapterpack.pipeline import build, check_inputs, check_state_sizes
+from adapterpack.build.pipeline import build
+from adapterpack.config.device_rules import cache_length_findings, package_findings
+from adapterpack.inputs.checked import check_inputs, check_state_sizes
+from adapterpack.mlpackage.spec import load_spec_file, spec_path
 from factories import make_adapter, make_base
 
 CLI = [sys.executable, "-m", "adapterpack"]

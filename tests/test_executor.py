@@ -23,7 +23,7 @@ ct = pytest.importorskip("coremltools")
 from coremltools.converters.mil import Builder as mb  # noqa: E402
 from coremltools.converters.mil.mil import Function, Program, types  # noqa: E402
 
-from adapterpack.executor import SUPPORTED_OPS, ProgramExecutor, UnsupportedOp  # noqa: E402
+from adapterpack.verify.executor import SUPPORTED_OPS, ProgramExecutor, UnsupportedOp  # noqa: E402
 
 IOS18 = ct.target.iOS18
 IOS16 = ct.target.iOS16
@@ -705,7 +705,7 @@ def test_unsupported_op_names_op_and_function(tmp_path: Path) -> None:
 def test_declared_type_that_lies_is_refused(tmp_path: Path) -> None:
     """``torch.where`` on scalars under a flexible shape: coremltools declares ``select``'s result
     rank 0 while it computes a matrix. The device compiles the declared types; so must we check."""
-    from adapterpack.executor import DeclaredTypeMismatch
+    from adapterpack.verify.executor import DeclaredTypeMismatch
 
     class ScalarWhere(torch.nn.Module):
         def forward(self, x):
@@ -771,8 +771,8 @@ def _tiny_llama():
 
 def convert_decoder(hf_model, path: Path) -> None:
     """ExportDecoder -> Core ML exactly as the packaging pipeline does it (fp16, its states)."""
-    from adapterpack.convert import STATE_NAMES
-    from adapterpack.export_decoder import ExportDecoder
+    from adapterpack.convert.coreml import STATE_NAMES
+    from adapterpack.convert.export_decoder import ExportDecoder
 
     dec = ExportDecoder(hf_model, MAX_CONTEXT).eval()
     with torch.no_grad():
@@ -888,11 +888,11 @@ def test_multifunction_package(llama, tmp_path: Path) -> None:
 
 def test_unwidened_weights_give_the_same_results(llama, monkeypatch) -> None:
     """Past the widening budget weights stay float16 and are widened per call: same numbers."""
-    import adapterpack.executor
+    import adapterpack.verify.executor.interpreter
 
     path, ids, _ = llama
     widened = run_decoder(ProgramExecutor.load(path), ids)
-    monkeypatch.setattr(adapterpack.executor, "WIDEN_BUDGET_BYTES", 0)
+    monkeypatch.setattr(adapterpack.verify.executor.interpreter, "WIDEN_BUDGET_BYTES", 0)
     executor = ProgramExecutor.load(path)
     np.testing.assert_array_equal(widened, run_decoder(executor, ids))
     compiled = executor._compile(None)

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
+from adapterpack.convert.export_decoder import DecoderShape, ExportDecoder
+from adapterpack.convert.lora import applied_adapter
 from adapterpack.errors import BadInput
-from adapterpack.export_decoder import DecoderShape, ExportDecoder
-from adapterpack.lora import applied_adapter
 from factories import FAMILIES, make_adapter, make_base, tiny_config
 
 MAX_CONTEXT = 48

@@ -5,7 +5,6 @@ Property-based (hypothesis): mutated manifests, adapter configs and safetensors 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from adapterpack.config.manifest import load_manifest
 from adapterpack.errors import BadInput
-from adapterpack.manifest import load_manifest
-from adapterpack.pipeline import check_inputs
+from adapterpack.inputs.checked import check_inputs
 from factories import make_adapter, make_base
 
 VALID = """name: h

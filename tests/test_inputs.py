@@ -27,14 +27,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from adapterpack.errors import BadInput
-from adapterpack.inputs import (
-    AdapterInfo,
-    BaseInfo,
+from adapterpack.inputs.adapter import AdapterInfo, inspect_adapter
+from adapterpack.inputs.base import BaseInfo, resolve_base
+from adapterpack.inputs.safetensors import (
     TensorInfo,
     check_finite,
-    inspect_adapter,
     read_safetensors_header,
-    resolve_base,
     sha256_files,
 )
 

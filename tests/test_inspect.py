@@ -20,8 +20,9 @@ import pytest
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from adapterpack.cli import app
-from adapterpack.devices import (
+from adapterpack.build.pipeline import build
+from adapterpack.cli.app import app
+from adapterpack.config.devices import (
     CONTEXT_STEP,
     DEVICES,
     Device,
@@ -32,8 +33,8 @@ from adapterpack.devices import (
     memory_need,
 )
 from adapterpack.errors import BadInput
-from adapterpack.inspect_package import inspect_package, memory_estimate
-from adapterpack.pipeline import build
+from adapterpack.report.inspect import inspect_package
+from adapterpack.report.memory import memory_estimate
 from factories import make_adapter, make_base
 
 GIB = 1 << 30
@@ -150,7 +151,7 @@ def test_fuse_mode_unique_bytes_are_the_targeted_weights(fused, project):
     base = load_file(project / "base" / "model.safetensors")
     for name in ("chat", "code"):
         targets = json.loads((project / name / "adapter_config.json").read_text())["target_modules"]
-        expected = _float16_bytes(base, lambda key: any(key.endswith(f".{t}.weight") for t in targets))
+        expected = _float16_bytes(base, lambda key, targets=targets: any(key.endswith(f".{t}.weight") for t in targets))
         assert expected > 0
         assert report.function(name).unique_bytes == pytest.approx(expected, rel=0.03), name
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapterpack.inputs import inspect_adapter, resolve_base
-from adapterpack.lora import fused_weight_changes
-from adapterpack.pipeline import build
+from adapterpack.build.pipeline import build
+from adapterpack.convert.lora import fused_weight_changes
+from adapterpack.inputs.adapter import inspect_adapter
+from adapterpack.inputs.base import resolve_base
 from factories import make_adapter, make_base
 
 SETTINGS = {

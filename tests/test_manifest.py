@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from adapterpack.config.manifest import load_manifest, manifest_json_schema
 from adapterpack.errors import BadInput
-from adapterpack.manifest import load_manifest, manifest_json_schema
 
 
 @pytest.fixture

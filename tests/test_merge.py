@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from adapterpack.build.pipeline import build, build_function_part
 from adapterpack.errors import BadInput
-from adapterpack.inspect_package import _values, _walk
-from adapterpack.merge import merge_functions, read_spec
-from adapterpack.pipeline import build, build_function_part
+from adapterpack.mlpackage.merge import merge_functions, read_spec
+from adapterpack.mlpackage.spec import op_values, walk_ops
 from factories import make_adapter, make_project, tree_digest
 
 MANIFEST = """name: merging
@@ -52,9 +52,9 @@ def resolved(package: Path) -> tuple[object, dict]:
     for name, function in spec.mlProgram.functions.items():
         ops = []
         for block in function.block_specializations.values():
-            for op in _walk(block):
+            for op in walk_ops(block):
                 values = []
-                for parameter, value in _values(op):
+                for parameter, value in op_values(op):
                     if value.WhichOneof("value") == "blobFileValue":
                         _, dtype, size, data = struct.unpack_from("<IIQQ", blob, value.blobFileValue.offset)
                         values.append((parameter, dtype, blob[data : data + size]))
@@ -118,22 +118,22 @@ def test_merge_refuses_a_multifunction_input(parts, tmp_path):
 def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, monkeypatch):
     """Fused functions patched into the compressed base are byte-identical to compressing each
     fused model whole (the path taken when the patch cannot match)."""
-    import adapterpack.compress
+    import adapterpack.compress.model
 
     compressed = []
-    compress_model = adapterpack.compress.compress_model
+    compress_model = adapterpack.compress.model.compress_model
 
     def counted(mlmodel, *args, **kwargs):
         compressed.append(1)
         return compress_model(mlmodel, *args, **kwargs)
 
-    monkeypatch.setattr(adapterpack.compress, "compress_model", counted)
+    monkeypatch.setattr(adapterpack.compress.model, "compress_model", counted)
     fast = build(project / "m.yaml", output=tmp_path / "fast" / "p.mlpackage", verify=False)
     # whole programs compressed: the base at 4 and at 6 bits, and the keep-mode function
     assert len(compressed) == 3
 
     compressed.clear()
-    monkeypatch.setattr(adapterpack.compress, "palettized_records", lambda values, compression: [None] * len(values))
+    monkeypatch.setattr(adapterpack.compress.model, "palettized_records", lambda values, compression: [None] * len(values))
     slow = build(project / "m.yaml", output=tmp_path / "slow" / "p.mlpackage", verify=False)
     assert len(compressed) == 5  # ... and each fused function on its own
     assert tree_digest(fast.output) == tree_digest(slow.output)
@@ -143,20 +143,20 @@ def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, mon
 def test_rebuild_of_a_fused_adapter_does_not_load_the_base(project, tmp_path, monkeypatch):
     import shutil
 
-    import adapterpack.base_model
+    import adapterpack.convert.base_model
 
     changed = tmp_path / "p"
     shutil.copytree(project, changed, ignore=shutil.ignore_patterns("parts"))
     build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False)
     make_adapter(changed / "code", changed / "base", std=0.1, seed=7, targets=("q_proj", "gate_proj", "up_proj"))
 
-    load_base = adapterpack.base_model.load_base
+    load_base = adapterpack.convert.base_model.load_base
 
     def reference_only(folder, dtype="float32"):
         assert dtype == "float32", "the float16 build base was loaded"  # verify's reference is float32
         return load_base(folder, dtype)
 
-    monkeypatch.setattr(adapterpack.base_model, "load_base", reference_only)
+    monkeypatch.setattr(adapterpack.convert.base_model, "load_base", reference_only)
     rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=True, force=True)
     assert rebuilt.reused == ["chat", "kept", "base"]
     assert rebuilt.verify_report.passed

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import adapterpack.compress as compress
-from adapterpack.palettize import kmeans_1d
+import adapterpack.compress.model as compress
+from adapterpack.compress.kmeans import kmeans_1d
 
 
 def weights(seed: int, shape=(64, 256)) -> np.ndarray:

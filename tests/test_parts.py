@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from adapterpack.build.pipeline import build, build_function_part, merge_from_parts
 from adapterpack.errors import BadInput
-from adapterpack.functions import read_functions
-from adapterpack.pipeline import build, build_function_part, merge_from_parts
+from adapterpack.mlpackage.functions import read_functions
 from factories import make_adapter, make_project, tree_digest
 
 MANIFEST = """name: parts
@@ -98,7 +98,7 @@ def test_unknown_function_part_is_bad_input(project, tmp_path):
 
 @pytest.mark.slow
 def test_rebuild_verifies_only_what_changed(project, tmp_path):
-    from adapterpack.verify import REUSED_NOTE
+    from adapterpack.verify.reports import REUSED_NOTE
 
     changed = tmp_path / "p"
     shutil.copytree(project, changed, ignore=shutil.ignore_patterns("out"))
@@ -123,7 +123,7 @@ def test_rebuild_verifies_only_what_changed(project, tmp_path):
 
 def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
     """A CI job that restores its cache folder builds nothing for an unchanged function."""
-    import adapterpack.pipeline
+    import adapterpack.build.builder
 
     cache = tmp_path / "cache"
     first = build_function_part(project / "m.yaml", "chat", tmp_path / "parts1", cache_dir=cache)
@@ -131,7 +131,7 @@ def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("built again despite the cache")
 
-    monkeypatch.setattr(adapterpack.pipeline, "_PartBuilder", refuse)
+    monkeypatch.setattr(adapterpack.build.builder, "_PartBuilder", refuse)
     second = build_function_part(project / "m.yaml", "chat", tmp_path / "parts2", cache_dir=cache)
     assert tree_digest(first) == tree_digest(second)
 

@@ -129,8 +129,8 @@ def test_interrupted_build_leaves_previous_output_intact(project, tmp_path, how)
 def test_short_disk_space_is_exit_4(project, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from adapterpack import release as release_module
-    from adapterpack.cli import app
+    import adapterpack.build.release as release_module
+    from adapterpack.cli.app import app
 
     monkeypatch.setattr(release_module.shutil, "disk_usage", lambda path: type("u", (), {"free": 1024})())
     result = CliRunner().invoke(app, ["release", str(project / "rel.yaml"), "--out-dir", str(tmp_path / "d")])

@@ -19,9 +19,9 @@ import pytest
 import torch
 import yaml
 
-from adapterpack.executor import ProgramExecutor
-from adapterpack.pipeline import build
-from adapterpack.verify import compare_logits
+from adapterpack.build.pipeline import build
+from adapterpack.verify.executor import ProgramExecutor
+from adapterpack.verify.metrics import compare_logits
 from factories import make_adapter, make_base
 
 REPO = Path(__file__).resolve().parents[1]

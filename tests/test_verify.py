@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.manifest import load_manifest
-from adapterpack.pipeline import build
-from adapterpack.verify import compare_logits, retention, verify_package
+from adapterpack.build.pipeline import build
+from adapterpack.config.manifest import load_manifest
+from adapterpack.verify.metrics import compare_logits, retention
+from adapterpack.verify.package import verify_package
 from factories import make_adapter, make_base
 
 CLI = [sys.executable, "-m", "adapterpack"]
@@ -127,7 +128,7 @@ def _where_mask_bias(self, inputIds, start, end, causal_mask):  # noqa: N803
 def test_mistyped_program_fails_verify_naming_function_op_and_types(tmp_path, monkeypatch):
     """A program whose declared types are not what its ops compute fails verify (exit 3), naming
     the function, the op and both types, although its numbers are right."""
-    from adapterpack.export_decoder import ExportDecoder
+    from adapterpack.convert.export_decoder import ExportDecoder
 
     make_base(tmp_path / "base", "llama")
     make_adapter(tmp_path / "chat", tmp_path / "base", std=0.1)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapterpack.weight_patch import WEIGHTS, TensorChange, patch_weights
+from adapterpack.mlpackage.weight_patch import WEIGHTS, TensorChange, patch_weights
 
 
 def two_layer_program(path, w1, w2, compression=None):
     """Save a two-linear program with these float16 weights (compressed as ``compression`` says)."""
-    from adapterpack.compress import compress_model
+    from adapterpack.compress.model import compress_model
     from adapterpack.quiet import captured_output, import_coremltools
 
     ct = import_coremltools()
@@ -41,7 +41,7 @@ def template(tmp_path_factory):
 
 
 def run(path, x):
-    from adapterpack.executor import ProgramExecutor
+    from adapterpack.verify.executor import ProgramExecutor
 
     executor = ProgramExecutor.load(path)
     return next(iter(executor.predict({"x": x}).values()))
@@ -89,8 +89,8 @@ def test_shape_or_dtype_change_is_refused(template, tmp_path):
 def test_patching_a_compressed_base_equals_compressing_the_changed_model(template, tmp_path, settings):
     """The fast path of a fused function: patch palettized records into the compressed base.
     It must give byte for byte what compressing the model with the new weight gives."""
-    from adapterpack.compress import palettized_records, set_palette_cache
-    from adapterpack.manifest import Compression
+    from adapterpack.compress.model import palettized_records, set_palette_cache
+    from adapterpack.config.manifest import Compression
 
     _, w1, w2 = template
     compression = Compression(**settings)
@@ -112,8 +112,8 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
 
 def test_palettized_records_decode_to_the_palettized_weight():
     """The records are what constexpr_lut_to_dense reads: packed indices (LSB first) and a palette."""
-    from adapterpack.compress import palettized_records
-    from adapterpack.manifest import Compression
+    from adapterpack.compress.model import palettized_records
+    from adapterpack.config.manifest import Compression
 
     weight = np.random.default_rng(3).standard_normal((32, 48)).astype(np.float16)
     [[(index_dtype, packed), (lut_dtype, lut)]] = palettized_records(
@@ -124,7 +124,7 @@ def test_palettized_records_decode_to_the_palettized_weight():
     indices = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(32, 48)
     palettes = np.frombuffer(lut, np.float16).reshape(4, 16)
     dense = np.take_along_axis(palettes.repeat(8, axis=0), indices.astype(np.int64), axis=1)
-    from adapterpack.palettize import kmeans_1d
+    from adapterpack.compress.kmeans import kmeans_1d
 
     luts, labels = kmeans_1d(weight.reshape(4, -1), 4)
     reference = np.take_along_axis(luts.astype(np.float16), labels.astype(np.int64), axis=1).reshape(32, 48)

@@ -24,7 +24,7 @@ class VerificationFailed(AdapterpackError):
     exit_code = 3
     report = None  # the verify.VerifyReport, for printing the table
 
-    def with_report(self, report) -> "VerificationFailed":
+    def with_report(self, report) -> VerificationFailed:
         self.report = report
         return self
 

@@ -12,7 +12,7 @@ import io
 import logging
 import os
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 NOISY_LOGGERS = ("coremltools", "transformers", "peft", "torch", "huggingface_hub", "accelerate")
 
@@ -68,3 +68,34 @@ def import_coremltools():
     # Our own handlers decide what is shown; coremltools' root-level warnings are noise here.
     logging.getLogger("coremltools").setLevel(logging.ERROR)
     return coremltools
+
+
+def import_coreml_proto():
+    """coremltools' generated protobuf modules (``Model_pb2``, ``MIL_pb2``, ...) without running
+    coremltools' package ``__init__``, which imports torch and transformers (seconds per command).
+
+    Commands that only read a package's spec (``functions``, ``inspect``) use this. The modules are
+    loaded under their real names, so a later ``import coremltools`` in the same process finds and
+    reuses them instead of loading the same descriptors twice.
+    """
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    if "coremltools.proto.Model_pb2" in sys.modules or "coremltools" in sys.modules:
+        return importlib.import_module("coremltools.proto")
+    spec = importlib.util.find_spec("coremltools")
+    if spec is None or not spec.submodule_search_locations:
+        return importlib.import_module("coremltools.proto")
+    # A placeholder parent while the proto modules load; removed right after, so the real
+    # package still initialises in full when something imports it.
+    placeholder = types.ModuleType("coremltools")
+    placeholder.__path__ = list(spec.submodule_search_locations)
+    sys.modules["coremltools"] = placeholder
+    try:
+        proto = importlib.import_module("coremltools.proto")
+    finally:
+        if sys.modules.get("coremltools") is placeholder:
+            del sys.modules["coremltools"]
+    return proto

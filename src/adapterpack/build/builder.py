@@ -1,0 +1,297 @@
+"""Making parts: the base traced, converted and compressed once per compression setting (the
+templates), fused adapters patched into them, kept adapters converted on their own, and the
+build cache consulted and filled along the way.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from adapterpack.build.records import FunctionRecord, Reporter
+from adapterpack.inputs.checked import CheckedInputs, hf_name
+
+log = logging.getLogger(__name__)
+
+
+def build_parts(
+    checked: CheckedInputs,
+    folder: Path,
+    reporter: Reporter,
+    *,
+    cache=None,
+    only: list[str] | None = None,
+) -> tuple[list[tuple[dict, Path]], list[str]]:
+    """Build (or take from ``cache``) the part of every function, in the package's order.
+
+    Returns the parts as (record, package path) and the names of the functions reused from the
+    cache. The base is loaded only if some part has to be built.
+    """
+    from adapterpack.build.parts import part_key, part_record, place
+    from adapterpack.compress.model import set_palette_cache
+
+    manifest = checked.manifest
+    folder.mkdir(parents=True, exist_ok=True)
+    # Palettes go to disk even without a build cache: a fused function's patch re-reads the
+    # base's, and holding a 1B model's in memory would cost over a gigabyte.
+    set_palette_cache(cache.folder / "palettes" if cache is not None else folder / ".palettes")
+    names = only or manifest.function_names
+    name_for_client = hf_name(checked)
+    parts: list[tuple[dict, Path]] = []
+    reused: list[str] = []
+    builder = None
+    try:
+        for name in names:
+            record = part_record(checked, name, name_for_client)
+            key = part_key(record)
+            target = folder / f"{name}.mlpackage"
+            cached = cache.get(key) if cache is not None else None
+            if cached is not None:
+                with reporter.stage(f"{name}: unchanged, reused from the build cache"):
+                    place(cached, target)
+                reused.append(name)
+            else:
+                if builder is None:
+                    builder = _PartBuilder(checked, reporter, folder, cache)
+                builder.build(name, target)
+                if cache is not None:
+                    cache.put(key, target, record)
+            parts.append((record, target))
+    finally:
+        if builder is not None:
+            builder.close()
+        set_palette_cache(None)
+        shutil.rmtree(folder / ".palettes", ignore_errors=True)
+    return parts, reused
+
+
+def template_key(checked: CheckedInputs, compression=None) -> str:
+    """Cache key of the converted base, uncompressed (None) or compressed as ``compression`` says."""
+    from adapterpack.build.parts import PART_FORMAT, part_key
+    from adapterpack.compress.model import PALETTE_ALGORITHM
+    from adapterpack.mlpackage.metadata import library_versions
+
+    export = checked.manifest.export
+    record = {
+        "template": 2,
+        "format": PART_FORMAT,
+        "base": checked.base.content_hash,
+        "max_context": export.max_context,
+        "deployment_target": export.deployment_target,
+        "versions": library_versions(),
+    }
+    if compression is not None and compression.method != "none":
+        record.update(compression=compression.model_dump(mode="json"), palettes=PALETTE_ALGORITHM)
+    return part_key(record)
+
+
+class _PartBuilder:
+    """Turns one function at a time into a part, doing each piece of shared work once.
+
+    The base is traced and converted once (the template) and compressed once per compression
+    setting (the compressed template). The base function is the compressed template; a fused
+    function is a copy of it with the records of the weights its adapter changes replaced
+    (``weight_patch.py``): its fused weights are computed from the targeted tensors alone
+    (``lora.fused_weight_changes``) and palettized like the rest, so neither the torch base nor
+    the whole program is loaded for it. Keep-mode functions (a different graph) and anything the
+    patch cannot match exactly are converted and compressed on their own.
+
+    Memory: the float16 torch base is loaded only to trace, and dropped before coremltools
+    compresses anything, so a build never holds it and a compressing program at once.
+    """
+
+    def __init__(self, checked: CheckedInputs, reporter: Reporter, workdir: Path, cache=None):
+        self.checked = checked
+        self.reporter = reporter
+        self.workdir = workdir
+        self.cache = cache
+        self._base = None
+        self._templates: dict[str, Path] = {}
+
+    @property
+    def base(self):
+        """The float16 torch base, loaded on first use."""
+        if self._base is None:
+            from adapterpack.convert.base_model import load_base
+
+            with self.reporter.stage(f"load base {self.checked.manifest.base.path}"):
+                self._base = load_base(self.checked.base.folder, dtype="float16")
+        return self._base
+
+    def release_base(self) -> None:
+        import gc
+
+        if self._base is not None:
+            self._base = None
+            gc.collect()
+
+    def _convert(self, model):
+        from adapterpack.convert.coreml import convert_decoder
+
+        export = self.checked.manifest.export
+        return convert_decoder(model, max_context=export.max_context, target=export.deployment_target)
+
+    def _save(self, mlmodel, path: Path) -> None:
+        from adapterpack.quiet import captured_output
+
+        with captured_output():
+            mlmodel.save(str(path))
+
+    def template(self, compression=None) -> Path:
+        """The base converted once: uncompressed, or compressed as ``compression`` says.
+
+        Cached beside the parts, keyed by the base's content, export settings and versions.
+        """
+        from adapterpack.build.parts import place
+
+        if compression is not None and compression.method == "none":
+            compression = None
+        key = template_key(self.checked, compression)
+        if key in self._templates:
+            return self._templates[key]
+        path = self.workdir / f".template-{key[:16]}.mlpackage"
+        cached = self.cache.template(key) if self.cache is not None else None
+        if cached is not None:
+            place(cached, path)
+        elif compression is None:
+            with self.reporter.stage("base: trace and convert (once for all functions)"):
+                mlmodel = self._convert(self.base)
+                self._save(mlmodel, path)
+                del mlmodel
+        else:
+            from adapterpack.compress.model import compress_model
+            from adapterpack.quiet import captured_output, import_coremltools
+
+            source = self.template(None)
+            self.release_base()
+            with self.reporter.stage(f"base: compress ({compression.describe()}, once for all functions)"):
+                with captured_output():
+                    mlmodel = import_coremltools().models.MLModel(str(source), skip_model_load=True)
+                mlmodel = compress_model(mlmodel, compression)
+                self._save(mlmodel, path)
+                del mlmodel
+        if cached is None and self.cache is not None:
+            self.cache.put_template(key, path, self.checked.base.content_hash)
+        self._templates[key] = path
+        return path
+
+    def _fused_changes(self, name: str, adapter) -> dict | None:
+        """{tensor: (base, fused)} float16 values of a fused adapter, or None if it changes more
+        than its LoRA targets (``modules_to_save``)."""
+        from adapterpack.convert.lora import fused_weight_changes
+
+        return fused_weight_changes(self.checked.base, self.checked.adapters[name], scale=float(adapter.scale))
+
+    def _patched(self, changes: dict, compression, source: Path, target: Path) -> bool:
+        """``target`` = ``source`` with the fused weights in, in the form ``source`` stores them."""
+        from adapterpack.compress.model import palettized_records
+        from adapterpack.mlpackage.weight_patch import TensorChange, patch_weights
+
+        pairs = [(old.numpy(), new.numpy()) for old, new in changes.values()]
+        tensor_changes = [TensorChange.float16(old, new) for old, new in pairs]
+        if compression is not None and compression.method == "palettize":
+            # all changed tensors at once: their k-means runs batched
+            records = palettized_records([value for pair in pairs for value in pair], compression)
+            for change, before, after in zip(tensor_changes, records[0::2], records[1::2]):
+                if before is not None and after is not None:
+                    change.encodings.insert(0, [(dtype, b, a) for (dtype, b), (_, a) in zip(before, after)])
+        return patch_weights(source, target, tensor_changes)
+
+    def build(self, name: str, target: Path) -> None:
+        from adapterpack.build.parts import place
+
+        manifest = self.checked.manifest
+        adapter = manifest.adapter(name)
+        compression = manifest.compression_for(name)
+        if adapter is None:
+            place(self.template(compression), target)
+            return
+        mode = manifest.lora_mode(name)
+        changes = None
+        if mode == "fuse":
+            patchable = compression.method in ("none", "palettize") and not self.checked.adapters[name].modules_to_save
+            # The compressed base first: its build is the memory peak, and should not also hold
+            # the fused weights.
+            source = self.template(compression) if patchable else None
+            with self.reporter.stage(f"{name}: fuse"):
+                changes = self._fused_changes(name, adapter)
+            if changes is not None and patchable:
+                with self.reporter.stage(f"{name}: patch the fused weights into the compressed base"):
+                    if self._patched(changes, compression, source, target):
+                        return
+                log.info("%s: the fused weights could not be matched in the compressed base: compressing it whole", name)
+        self._build_whole(name, adapter, mode, compression, changes, target)
+
+    def _build_whole(self, name: str, adapter, mode: str, compression, changes: dict | None, target: Path) -> None:
+        """One function converted (or patched uncompressed) and compressed on its own."""
+
+        from adapterpack.compress.model import compress_model
+        from adapterpack.convert.base_model import stored_weight_reader
+        from adapterpack.convert.lora import applied_adapter
+        from adapterpack.quiet import captured_output, import_coremltools
+
+        manifest = self.checked.manifest
+        lora_compression = manifest.lora_compression if mode == "keep" else None
+        patched = self.workdir / f".{name}.patched.mlpackage"
+        if changes is not None and self._patched(changes, None, self.template(None), patched):
+            with captured_output():
+                mlmodel = import_coremltools().models.MLModel(str(patched), skip_model_load=True)
+        else:
+            with self.reporter.stage(f"{name}: trace and convert"):
+                with applied_adapter(
+                    self.base,
+                    self.checked.adapters[name].folder,
+                    mode=mode,
+                    scale=float(adapter.scale),
+                    original_weight=stored_weight_reader(self.checked.base),
+                ) as model:
+                    mlmodel = self._convert(model)
+        self.release_base()
+        with self.reporter.stage(f"{name}: compress ({compression.describe()})"):
+            mlmodel = compress_model(mlmodel, compression, lora_compression)
+        self._save(mlmodel, target)
+        del mlmodel
+        shutil.rmtree(patched, ignore_errors=True)
+
+    def close(self) -> None:
+        from adapterpack.compress.model import clear_palette_memo
+
+        self.release_base()
+        for path in self._templates.values():
+            shutil.rmtree(path, ignore_errors=True)
+        clear_palette_memo()
+
+
+def merge_parts(parts: list[tuple[dict, Path]], destination: Path) -> None:
+    """Merge parts (all from one manifest, see ``parts.read_parts``) into one package with metadata."""
+    from adapterpack.mlpackage.merge import merge_functions
+    from adapterpack.mlpackage.metadata import package_metadata
+
+    first = parts[0][0]
+    records = [FunctionRecord.from_part(record) for record, _ in parts]
+    metadata = package_metadata(
+        hf_name=first["base"]["hf_name"],
+        manifest_name=first["manifest_name"],
+        functions={r.name: r.as_metadata() for r in records},
+        default_function=first["default_function"],
+        max_context=first["max_context"],
+        base={k: first["base"][k] for k in ("source", "revision", "sha256")},
+        versions=first["versions"],
+    )
+    names = [r.name for r in records]
+    description = f"{first['manifest_name']}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"
+    merge_functions(
+        {record["function"]: path for record, path in parts},
+        default_function=first["default_function"],
+        destination=destination,
+        metadata=metadata,
+        description=description,
+    )
+
+
+def folder_size(path: Path) -> int:
+    """Bytes of all files under ``path`` (a package is a folder)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

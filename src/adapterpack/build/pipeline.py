@@ -1,0 +1,245 @@
+"""The build, in order: the only module that knows the sequence of stages.
+
+validate manifest -> check base and adapters (no torch yet) -> for each function not in the build
+cache: make its part (the base converted and compressed once; fused adapters patched into it;
+keep-mode adapters converted and compressed on their own) -> merge parts with metadata -> verify
+what changed -> move into place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from adapterpack.build.builder import (
+    build_parts,
+    folder_size,
+    merge_parts,
+    template_key,
+)
+from adapterpack.build.records import BuildResult, FunctionRecord, Reporter
+from adapterpack.build.staging import Staging
+from adapterpack.config.manifest import Manifest
+from adapterpack.errors import BadInput, OutputExists
+from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_sizes
+
+log = logging.getLogger(__name__)
+
+
+def check_device_rules(package: Path, *, strict: bool, sizes_checked: bool = False) -> list:
+    """Warn about (or, with ``strict``, refuse) a package that breaks a device rule (device_rules).
+
+    ``sizes_checked``: the state-size rule was already reported from the manifest.
+    """
+    from adapterpack.config.device_rules import package_findings
+    from adapterpack.mlpackage.spec import load_spec_file, spec_path
+
+    findings = package_findings(load_spec_file(spec_path(package)))
+    if sizes_checked:
+        findings = [f for f in findings if f.rule != "ane-state-multiple"]
+    for finding in findings:
+        if strict:
+            raise BadInput(f"{finding.line()} (an error with --strict)")
+        log.warning("%s", finding.line())
+    return findings
+
+
+def build(
+    manifest: Manifest | str | Path | CheckedInputs,
+    *,
+    output: str | Path | None = None,
+    force: bool = False,
+    allow_pickle: bool = False,
+    reporter: Reporter | None = None,
+    verify: bool = True,
+    backend: str = "numpy",
+    strict: bool = False,
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
+) -> BuildResult:
+    """Build the package a manifest describes; returns where it went and what it holds.
+
+    Functions whose inputs, settings and tool versions are unchanged since a previous build are
+    taken from the build cache (default ``.adapterpack-cache`` beside the output). Verification
+    runs on the merged package while it is still in staging: if it fails (VerificationFailed,
+    exit 3), nothing is moved into place and a previous output is untouched.
+    """
+    reporter = reporter or Reporter()
+    started = time.perf_counter()
+    checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+    check_state_sizes(checked, strict=strict)
+    manifest = checked.manifest
+    destination = manifest.output_path(output)
+    if destination.exists() and not force:
+        raise OutputExists(f"{destination} exists: pass --force to replace it")
+
+    from adapterpack.build.cache import PartCache
+
+    cache = PartCache(Path(cache_dir) if cache_dir else destination.parent / CACHE_FOLDER) if use_cache else None
+    with Staging(destination) as staging:
+        parts, reused = build_parts(checked, staging.folder / "parts", reporter, cache=cache)
+        records = [FunctionRecord.from_part(record) for record, _ in parts]
+        part_sizes = {record["function"]: folder_size(path) for record, path in parts}
+        merged = staging.folder / destination.name
+        with reporter.stage("merge functions"):
+            merge_parts(parts, merged)
+        check_device_rules(merged, strict=strict, sizes_checked=True)
+        report = None
+        if verify:
+            from adapterpack.errors import VerificationFailed
+            from adapterpack.verify.package import verify_package
+
+            keys = {record["function"]: verification_key(record, manifest, backend) for record, _ in parts}
+            reuse = cache.verified(keys) if cache is not None else {}
+            label = f"verify {len(records) - len(reuse)} function(s) ({backend})"
+            with reporter.stage(label + (f"; {len(reuse)} unchanged since verified" if reuse else "")):
+                report = verify_package(merged, manifest, backend=backend, checked=checked, reuse=reuse)
+            if not report.passed:
+                raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
+            if cache is not None:
+                cache.put_verified({keys[f.name]: f for f in report.functions if f.name not in reuse})
+        staging.commit(merged)
+    if cache is not None:
+        from adapterpack.build.parts import part_key
+
+        templates = {template_key(checked)} | {template_key(checked, manifest.compression_for(n)) for n in manifest.function_names}
+        cache.prune(manifest.name, {part_key(record) for record, _ in parts}, checked.base.content_hash, templates)
+
+    result = BuildResult(
+        output=destination,
+        manifest=manifest,
+        functions=records,
+        default_function=manifest.default,
+        part_sizes=part_sizes,
+        package_size=folder_size(destination),
+        seconds=time.perf_counter() - started,
+        verify_report=report,
+        reused=reused,
+    )
+    estimate = keep_mode_estimate(checked, result)
+    if estimate is not None and estimate < KEEP_HINT_RATIO * result.package_size:
+        reporter.info(
+            f"hint: with `lora: keep` this package would be about {estimate / 2**20:.1f} MiB instead of "
+            f"{result.package_size / 2**20:.1f} MiB (the base stored once, adapters as float16 LoRA matrices)"
+        )
+    return result
+
+
+# Suggest keep mode when it would save more than a quarter of the package.
+KEEP_HINT_RATIO = 0.75
+
+
+def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | None:
+    """Estimated package bytes in keep mode, or None when no function is fused.
+
+    One function's part is (close to) the whole base as compressed; keep mode adds only each
+    adapter's LoRA matrices in float16.
+    """
+    fused = [r for r in result.functions if r.lora == "fuse"]
+    if not fused or not result.part_sizes:
+        return None
+    from adapterpack.config.devices import lora_float16_bytes
+
+    base_bytes = min(result.part_sizes.values())
+    return base_bytes + sum(lora_float16_bytes(info.tensors) for info in checked.adapters.values())
+
+
+CACHE_FOLDER = ".adapterpack-cache"
+
+
+def verification_key(record: dict, manifest: Manifest, backend: str) -> str:
+    """Cache key of a function's verdict: its part (inputs, settings, versions), the verify
+    settings and thresholds, and the backend."""
+    import hashlib
+    import json
+
+    from adapterpack.build.parts import part_key
+    from adapterpack.verify.reports import VERIFY_FORMAT
+
+    payload = {"part": part_key(record), "verify": manifest.verify.model_dump(mode="json"), "backend": backend, "format": VERIFY_FORMAT}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def build_function_part(
+    manifest: Manifest | str | Path | CheckedInputs,
+    function: str,
+    parts_dir: str | Path,
+    *,
+    allow_pickle: bool = False,
+    strict: bool = False,
+    reporter: Reporter | None = None,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """Fan-out: build one function's part into ``parts_dir`` for a later ``merge`` (one CI job each).
+
+    With ``cache_dir`` (e.g. restored by the CI's cache action) the part, the converted base and
+    palettes of earlier runs are reused.
+    """
+    from adapterpack.build.parts import write_part
+
+    reporter = reporter or Reporter()
+    checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+    check_state_sizes(checked, strict=strict)
+    if function not in checked.manifest.function_names:
+        raise BadInput(
+            f"--function {function}: not a function of {checked.manifest.source}: "
+            f"choose one of {', '.join(checked.manifest.function_names)}"
+        )
+    parts_dir = Path(parts_dir).resolve()
+    with Staging(parts_dir / f"{function}.mlpackage") as staging:
+        from adapterpack.build.cache import PartCache
+
+        cache = PartCache(Path(cache_dir)) if cache_dir is not None else None
+        parts, _ = build_parts(checked, staging.folder, reporter, cache=cache, only=[function])
+        record, package = parts[0]
+        return write_part(parts_dir, package, record)
+
+
+def merge_from_parts(
+    parts_dir: str | Path,
+    output: str | Path,
+    *,
+    force: bool = False,
+    manifest: Manifest | str | Path | None = None,
+    backend: str = "numpy",
+    reporter: Reporter | None = None,
+) -> BuildResult:
+    """Fan-in: merge the parts in ``parts_dir`` into one package (verified when a manifest is given)."""
+    from adapterpack.build.parts import read_parts
+
+    reporter = reporter or Reporter()
+    started = time.perf_counter()
+    parts = read_parts(Path(parts_dir))
+    destination = Path(output).resolve()
+    if destination.exists() and not force:
+        raise OutputExists(f"{destination} exists: pass --force to replace it")
+    checked = check_inputs(manifest) if manifest is not None else None
+    if checked is not None and checked.base.content_hash != parts[0][0]["base"]["sha256"]:
+        raise BadInput(f"{parts_dir}: the parts were built from another base than {checked.manifest.source} names")
+    report = None
+    with Staging(destination) as staging:
+        merged = staging.folder / destination.name
+        with reporter.stage(f"merge {len(parts)} parts"):
+            merge_parts(parts, merged)
+        check_device_rules(merged, strict=False)
+        if checked is not None:
+            from adapterpack.errors import VerificationFailed
+            from adapterpack.verify.package import verify_package
+
+            with reporter.stage(f"verify {len(parts)} function(s) ({backend})"):
+                report = verify_package(merged, checked.manifest, backend=backend, checked=checked)
+            if not report.passed:
+                raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
+        staging.commit(merged)
+    first = parts[0][0]
+    return BuildResult(
+        output=destination,
+        manifest=checked.manifest if checked else None,
+        functions=[FunctionRecord.from_part(record) for record, _ in parts],
+        default_function=first["default_function"],
+        part_sizes={record["function"]: folder_size(path) for record, path in parts},
+        package_size=folder_size(destination),
+        seconds=time.perf_counter() - started,
+        verify_report=report,
+    )

@@ -1,0 +1,164 @@
+"""Release artifacts for CI: a deterministic zip of the verified package, its provenance and sums.
+
+``release`` builds (and verifies) into a staging folder inside the output folder, zips the package
+with sorted entries, fixed timestamps and fixed permissions, writes ``build-info.json`` and
+``SHA256SUMS``, and only then moves the three files into place. The same inputs with the same
+tool versions give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapterpack.build.pipeline import build
+from adapterpack.build.records import BuildResult, Reporter
+from adapterpack.build.staging import Staging
+from adapterpack.errors import OutOfResources, OutputExists
+from adapterpack.inputs.checked import check_inputs
+from adapterpack.inputs.safetensors import sha256_files
+
+log = logging.getLogger(__name__)
+
+# 1980-01-01 00:00:00, the earliest time a zip entry can hold: the same for every build.
+ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+BUILD_INFO = "build-info.json"
+SUMS = "SHA256SUMS"
+
+
+@dataclass
+class ReleaseResult:
+    zip_path: Path
+    build_info: Path
+    sums: Path
+    build: BuildResult
+
+
+def deterministic_zip(folder: Path, destination: Path) -> None:
+    """Zip ``folder`` (an .mlpackage) as ``<folder.name>/...`` reproducibly."""
+    entries = sorted(folder.rglob("*"), key=lambda p: p.relative_to(folder).as_posix())
+    with zipfile.ZipFile(destination, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as archive:
+        root = zipfile.ZipInfo(folder.name + "/", date_time=ZIP_EPOCH)
+        root.external_attr = (0o40000 | DIR_MODE) << 16
+        archive.writestr(root, b"")
+        for path in entries:
+            name = f"{folder.name}/{path.relative_to(folder).as_posix()}"
+            if path.is_dir():
+                info = zipfile.ZipInfo(name + "/", date_time=ZIP_EPOCH)
+                info.external_attr = (0o40000 | DIR_MODE) << 16
+                archive.writestr(info, b"")
+                continue
+            info = zipfile.ZipInfo(name, date_time=ZIP_EPOCH)
+            info.external_attr = (0o100000 | FILE_MODE) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.create_system = 3  # unix, whatever the host: the attributes above are unix modes
+            with path.open("rb") as source, archive.open(info, "w", force_zip64=True) as target:
+                shutil.copyfileobj(source, target, 1 << 20)
+
+
+def required_disk_bytes(checked) -> int:
+    """A conservative estimate of the disk a release needs: float16 parts for every function,
+    the merged package, its staging copy and the zip (each about one float16 model or less)."""
+    weights = sum(path.stat().st_size for path in checked.base.weight_files)
+    bytes_per_param = 4 if any(t.dtype == "F32" for t in checked.base.tensors.values()) else 2
+    float16_model = weights * 2 // bytes_per_param
+    functions = len(checked.manifest.function_names)
+    return float16_model * (functions + 3)
+
+
+def check_disk_space(folder: Path, needed: int) -> None:
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise OutOfResources(
+            f"{probe}: {free / 2**20:.0f} MiB free, a release of this manifest needs about "
+            f"{needed / 2**20:.0f} MiB"
+        )
+
+
+def release(
+    manifest,
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+    allow_pickle: bool = False,
+    strict: bool = False,
+    reporter: Reporter | None = None,
+) -> ReleaseResult:
+    """Build, verify and write ``<name>.mlpackage.zip``, ``build-info.json`` and ``SHA256SUMS``."""
+    reporter = reporter or Reporter()
+    out_dir = Path(out_dir).resolve()
+    checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+    name = checked.manifest.name
+    targets = [out_dir / f"{name}.mlpackage.zip", out_dir / BUILD_INFO, out_dir / SUMS]
+    existing = [t for t in targets if t.exists()]
+    if existing and not force:
+        raise OutputExists(f"{existing[0]} exists: pass --force to replace the release in {out_dir}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_disk_space(out_dir, required_disk_bytes(checked))
+
+    with Staging(out_dir / f"{name}.release") as staging:
+        package = staging.folder / f"{name}.mlpackage"
+        result = build(checked, output=package, force=True, allow_pickle=allow_pickle, reporter=reporter)
+        zip_path = staging.folder / targets[0].name
+        with reporter.stage("zip package"):
+            deterministic_zip(package, zip_path)
+        info = build_info(checked, result, zip_path)
+        info_path = staging.folder / BUILD_INFO
+        info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        sums_path = staging.folder / SUMS
+        sums_path.write_text(
+            "".join(f"{sha256_files([p])}  {p.name}\n" for p in sorted((zip_path, info_path), key=lambda p: p.name))
+        )
+        # The sums file goes last: a release folder with a SHA256SUMS is complete.
+        for built, target in zip((zip_path, info_path, sums_path), targets):
+            os.replace(built, target)
+    return ReleaseResult(zip_path=targets[0], build_info=targets[1], sums=targets[2], build=result)
+
+
+def build_info(checked, result: BuildResult, zip_path: Path) -> dict:
+    """Provenance of a release: inputs by content hash, settings, versions, verification, sizes."""
+    from adapterpack.mlpackage.metadata import library_versions
+
+    manifest = checked.manifest
+    report = result.verify_report
+    return {
+        "name": manifest.name,
+        "manifest": manifest.model_dump(mode="json", exclude={"source", "output"}),
+        "base": {
+            "source": manifest.base.path,
+            "revision": manifest.base.revision,
+            "sha256": checked.base.content_hash,
+            "model_type": checked.base.config.get("model_type"),
+        },
+        "adapters": {
+            name: {
+                "path": manifest.adapter(name).path,
+                "sha256": info.content_hash,
+                "lora": manifest.lora_mode(name),
+                "scale": float(manifest.adapter(name).scale),
+                "base_model_name_or_path": info.config.get("base_model_name_or_path"),
+                "revision": info.config.get("revision"),
+            }
+            for name, info in checked.adapters.items()
+        },
+        "functions": [r.name for r in result.functions],
+        "default_function": result.default_function,
+        "compression": {r.name: r.compression for r in result.functions},
+        "versions": library_versions(),
+        "verify": report.as_json() | {"package": f"{manifest.name}.mlpackage"} if report is not None else None,
+        "sizes": {
+            "package_bytes": result.package_size,
+            "zip_bytes": zip_path.stat().st_size,
+            "functions_alone_bytes": result.part_sizes,
+        },
+    }

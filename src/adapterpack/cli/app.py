@@ -1,0 +1,390 @@
+"""Command line: the commands. Each parses its arguments and calls the library.
+
+Exit codes: 0 ok, 1 internal error, 2 bad input, 3 verification failed, 4 out of resources,
+130 interrupted. ``ADAPTERPACK_DEBUG=1`` shows tracebacks and the libraries' own output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from adapterpack.cli.boundary import configure_logging, error_boundary
+from adapterpack.cli.render import (
+    ConsoleReporter,
+    human_size,
+    out,
+    print_build,
+    print_inspection,
+    verify_table,
+)
+from adapterpack.errors import EXIT_CODES, BadInput
+from adapterpack.report.memory import budget_rows
+
+EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {text.split(' (')[0]}" for code, text in EXIT_CODES.items()) + "."
+
+
+app = typer.Typer(
+    name="adapterpack",
+    help="Package a Hugging Face base model and its LoRA adapters as ONE multifunction Core ML "
+    "model with a stateful KV-cache (one function per adapter). " + EXIT_HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+log = logging.getLogger("adapterpack")
+
+
+_interrupted = False
+
+
+ManifestArg = Annotated[Path, typer.Argument(help="Manifest YAML, e.g. manifests/demo.yaml", show_default=False)]
+
+
+@app.command()
+def build(
+    manifest: ManifestArg,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Output .mlpackage (overrides the manifest's `output`)")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the build succeeded)")] = False,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")
+    ] = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verifying every function against PyTorch")] = False,
+    backend: Annotated[str, typer.Option("--backend", help="Verification backend: numpy (any OS) or coreml (macOS)")] = "numpy",
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors")
+    ] = False,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option("--cache-dir", help="Build cache (default: .adapterpack-cache beside the output; parts: none unless given)"),
+    ] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Rebuild every function; do not read or write the cache")] = False,
+    function: Annotated[
+        str | None, typer.Option("--function", help="Fan-out: build only this function's part (needs --parts)")
+    ] = None,
+    parts: Annotated[
+        Path | None, typer.Option("--parts", help="Fan-out: folder to write the part to, for `adapterpack merge`")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+) -> None:
+    """Build one multifunction .mlpackage from a manifest, then verify it (exit 3 if it does not match).
+
+    Unchanged functions are reused from the build cache. For one CI job per adapter, build parts
+    with `--function NAME --parts DIR` and merge them with `adapterpack merge DIR -o PKG`.
+
+    Example: adapterpack build manifests/demo.yaml -o build/demo.mlpackage --force
+    """
+    configure_logging(quiet)
+    with error_boundary():
+        from adapterpack.build.pipeline import build as run_build
+
+        _check_backend(backend)
+        if (function is None) != (parts is None):
+            raise BadInput("--function and --parts go together (build one function's part for `adapterpack merge`)")
+        if function is not None:
+            from adapterpack.build.pipeline import build_function_part
+
+            part = build_function_part(
+                manifest, function, parts, allow_pickle=allow_pickle, strict=strict, reporter=ConsoleReporter(quiet),
+                cache_dir=None if no_cache else cache_dir,
+            )
+            out.print(f"part {function}: {part}", highlight=False)
+            return
+        result = run_build(
+            manifest,
+            output=output,
+            force=force,
+            allow_pickle=allow_pickle,
+            reporter=ConsoleReporter(quiet),
+            verify=not no_verify,
+            backend=backend,
+            strict=strict,
+            cache_dir=cache_dir,
+            use_cache=not no_cache,
+        )
+        print_build(result)
+
+
+@app.command()
+def merge(
+    parts_dir: Annotated[Path, typer.Argument(help="Folder of parts from `build --function NAME --parts DIR`", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The merged .mlpackage")],
+    manifest: Annotated[
+        Path | None, typer.Option("--manifest", "-m", help="Verify the merged package against this manifest")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the merge succeeded)")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+) -> None:
+    """Merge parts built by separate jobs into one package (checks they share base, settings and versions).
+
+    Example: adapterpack merge parts/ -o build/demo.mlpackage --manifest manifests/demo.yaml
+    """
+    configure_logging(quiet)
+    with error_boundary():
+        from adapterpack.build.pipeline import merge_from_parts
+
+        result = merge_from_parts(parts_dir, output, force=force, manifest=manifest, reporter=ConsoleReporter(quiet))
+        print_build(result)
+
+
+def _check_backend(backend: str) -> None:
+    from adapterpack.errors import BadInput
+
+    if backend not in ("numpy", "coreml"):
+        raise BadInput(f"--backend {backend!r}: choose numpy or coreml")
+    if backend == "coreml" and sys.platform != "darwin":
+        raise BadInput("--backend coreml needs macOS (the Core ML runtime); use the default numpy backend here")
+
+
+@app.command()
+def verify(
+    package: Annotated[Path, typer.Argument(help="The .mlpackage to check", show_default=False)],
+    manifest: Annotated[Path, typer.Option("--manifest", "-m", help="The manifest the package was built from")],
+    backend: Annotated[str, typer.Option("--backend", help="numpy (any OS, default) or coreml (macOS only)")] = "numpy",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
+) -> None:
+    """Check every function numerically against the PyTorch reference (peft, unmerged, float32).
+
+    Example: adapterpack verify build/demo.mlpackage --manifest manifests/demo.yaml
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        from adapterpack.config.manifest import load_manifest
+        from adapterpack.errors import VerificationFailed
+        from adapterpack.verify.package import verify_package
+
+        _check_backend(backend)
+        loaded = load_manifest(manifest)
+        if not package.exists():
+            from adapterpack.errors import BadInput
+
+            raise BadInput(f"{package}: package not found")
+        report = verify_package(package, loaded, backend=backend)
+        if as_json:
+            print(json.dumps(report.as_json(), indent=2))
+        else:
+            out.print(verify_table(report))
+        if not report.passed:
+            raise VerificationFailed(report.verdict())
+        if not as_json:
+            out.print(report.verdict(), highlight=False)
+
+
+@app.command()
+def release(
+    manifest: ManifestArg,
+    out_dir: Annotated[Path, typer.Option("--out-dir", "-d", help="Release folder, e.g. dist/")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing release (only once the new one succeeded)")] = False,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")
+    ] = False,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+) -> None:
+    """Build, verify and write reproducible release artifacts: NAME.mlpackage.zip, build-info.json, SHA256SUMS.
+
+    Example: adapterpack release manifests/demo.yaml --out-dir dist && (cd dist && sha256sum -c SHA256SUMS)
+    """
+    configure_logging(quiet)
+    with error_boundary():
+        from adapterpack.build.release import release as run_release
+
+        result = run_release(
+            manifest, out_dir, force=force, allow_pickle=allow_pickle, strict=strict, reporter=ConsoleReporter(quiet)
+        )
+        if result.build.verify_report is not None:
+            out.print(verify_table(result.build.verify_report))
+        for path in (result.zip_path, result.build_info, result.sums):
+            out.print(f"{path}  {human_size(path.stat().st_size)}", highlight=False)
+
+
+@app.command()
+def validate(
+    manifest: ManifestArg,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters")] = False,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors",
+        ),
+    ] = False,
+) -> None:
+    """Check a manifest, its base and its adapters without building anything.
+
+    Example: adapterpack validate manifests/demo.yaml --strict
+    """
+    configure_logging(quiet=False)
+    with error_boundary():
+        from adapterpack.inputs.checked import check_inputs, check_state_sizes
+
+        checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+        check_state_sizes(checked, strict=strict)
+        m = checked.manifest
+        out.print(
+            f"{manifest}: ok: {len(m.function_names)} function(s) "
+            f"({', '.join(m.function_names)}; default {m.default}), base {m.base.path} "
+            f"({checked.base.config.get('model_type')}), max_context {m.export.max_context}",
+            highlight=False,
+        )
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of the manifest format.
+
+    Example: adapterpack schema > manifest.schema.json
+    """
+    from adapterpack.config.manifest import manifest_json_schema
+
+    print(json.dumps(manifest_json_schema(), indent=2))
+
+
+@app.command()
+def functions(
+    package: Annotated[Path, typer.Argument(help="A .mlpackage, e.g. build/demo.mlpackage", show_default=False)],
+    expect: Annotated[
+        str | None,
+        typer.Option("--expect", help="Comma-separated function names the app uses; exit 2 unless exactly these, e.g. chat,code,zen"),
+    ] = None,
+    swift: Annotated[bool, typer.Option("--swift", help="Print a Swift enum of the functions, ready to paste")] = False,
+    swift_type: Annotated[str, typer.Option("--swift-type", help="Name of the Swift enum")] = "AdapterFunction",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """List a package's functions (default marked) with their inputs, outputs and states.
+
+    Example (CI guard for the Swift code): adapterpack functions build/demo.mlpackage --expect base,code,docs,zen
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        from adapterpack.errors import BadInput
+        from adapterpack.mlpackage.functions import read_functions
+        from adapterpack.report.swift import expectation_diff, swift_enum
+
+        package_functions = read_functions(package)
+        if expect is not None:
+            expected = [name.strip() for name in expect.split(",") if name.strip()]
+            diff = expectation_diff(package_functions.names, expected)
+            if diff:
+                raise BadInput(f"{package}: functions differ from --expect: {diff}")
+        if swift:
+            print(swift_enum(package_functions, swift_type))
+            return
+        if as_json:
+            print(json.dumps(
+                {
+                    "package": str(package),
+                    "default": package_functions.default,
+                    "functions": [
+                        {
+                            "name": f.name,
+                            "inputs": [vars(x) for x in f.inputs],
+                            "outputs": [vars(x) for x in f.outputs],
+                            "states": [vars(x) for x in f.states],
+                        }
+                        for f in package_functions.functions
+                    ],
+                },
+                indent=2,
+            ))
+            return
+        table = Table(title=str(package), title_justify="left")
+        for column in ("function", "inputs", "outputs", "states"):
+            table.add_column(column)
+        for f in package_functions.functions:
+            fmt = lambda features: "\n".join(f"{x.name} {x.dtype} {x.shape}" for x in features)  # noqa: E731
+            marker = " (default)" if f.name == package_functions.default else ""
+            table.add_row(f.name + marker, fmt(f.inputs), fmt(f.outputs), fmt(f.states))
+        out.print(table)
+        if expect is not None:
+            out.print(f"functions match --expect ({len(package_functions.names)})", highlight=False)
+
+
+@app.command()
+def inspect(
+    package: Annotated[Path, typer.Argument(help="A .mlpackage, e.g. build/demo.mlpackage", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
+    top: Annotated[int, typer.Option("--top", min=0, help="How many of the largest tensors to list")] = 10,
+    device: Annotated[
+        str | None,
+        typer.Option("--device", help="Only this device in the memory budget, e.g. iphone-15-pro (default: all)"),
+    ] = None,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Exit 2 when the package breaks a device rule (they are warnings otherwise)")
+    ] = False,
+) -> None:
+    """Show where a package's bytes go and whether its heaviest function fits each device's memory.
+
+    Per function: bytes only it uses, bytes shared with other functions, and its size built alone;
+    the package total, dedup ratio, largest tensors, compression by kind, device rules the package
+    breaks (Neural Engine state sizes, the Swift client's contract), and a memory budget
+    (weights + states + activations) against app memory limits with their sources.
+
+    Example: adapterpack inspect build/demo.mlpackage --top 5 --device iphone-15
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        from adapterpack.config.devices import DEVICES, find_device
+        from adapterpack.report.inspect import inspect_package
+        from adapterpack.report.memory import memory_estimate
+
+        devices = [find_device(device)] if device else list(DEVICES)
+        report = inspect_package(package)
+        estimate = memory_estimate(report)
+        budget = budget_rows(report, estimate, devices)
+        if as_json:
+            document = report.as_json(top=top)
+            document["memory"] = None if estimate is None else {
+                "function": estimate.function,
+                "weights_bytes": estimate.weights_bytes,
+                "kv_bytes": estimate.kv_bytes,
+                "activation_bytes": estimate.activation_bytes,
+                "activations_known": estimate.activations_known,
+                "need_bytes": estimate.need_bytes,
+                "devices": budget,
+            }
+            print(json.dumps(document, indent=2))
+        else:
+            print_inspection(report, estimate, budget, top)
+        if strict and report.device_findings:
+            raise BadInput(f"{report.device_findings[0].line()} (an error with --strict)")
+
+
+def main() -> None:
+    """Console entry point: run the command, then leave without finalizing every library.
+
+    Tearing down torch, transformers and coremltools module by module takes over a second after
+    the work is done and serves no finished command; exit hooks (temporary files) still run.
+    """
+    import atexit
+
+    try:
+        app(prog_name="adapterpack")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (`| head`) is not an error here
+            pass
+    os._exit(code)

@@ -1,0 +1,93 @@
+"""The one error boundary of the command line, and its logging set-up: every AdapterpackError
+becomes one line and its documented exit code; anything else is an internal error (exit 1)
+with the traceback behind ``ADAPTERPACK_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+import typer
+
+from adapterpack.cli.render import err, out, verify_table
+from adapterpack.errors import AdapterpackError
+
+
+def _debug() -> bool:
+    return os.environ.get("ADAPTERPACK_DEBUG", "") not in ("", "0")
+
+
+def configure_logging(quiet: bool) -> None:
+    level = logging.DEBUG if _debug() else (logging.WARNING if quiet else logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger("adapterpack")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+    if not _debug():
+        from adapterpack.quiet import silence_libraries
+
+        silence_libraries()
+
+
+def _on_sigint(signum, frame) -> None:
+    # Remember the interrupt: libraries (torch.jit) may wrap the KeyboardInterrupt in their own
+    # error type on its way out, and Ctrl-C must still exit 130.
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def error_boundary() -> Iterator[None]:
+    """Turn every failure into one line on stderr and a documented exit code."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread (e.g. under a test runner's worker)
+        pass
+    try:
+        yield
+    except AdapterpackError as error:
+        if _debug():
+            raise
+        if getattr(error, "report", None) is not None:
+            out.print(verify_table(error.report))
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(error.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("interrupted", highlight=False)
+        raise typer.Exit(130) from None
+    except typer.Exit:
+        raise
+    except MemoryError:
+        err.print("[bold red]error:[/] out of memory", highlight=False)
+        raise typer.Exit(4) from None
+    except OSError as error:
+        if _debug():
+            raise
+        if getattr(error, "errno", None) == 28:  # ENOSPC
+            err.print(f"[bold red]error:[/] out of disk space: {error}", highlight=False, soft_wrap=True)
+            raise typer.Exit(4) from None
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except Exception as error:  # noqa: BLE001 - the one place that catches everything
+        if _interrupted:
+            err.print("interrupted", highlight=False)
+            raise typer.Exit(130) from None
+        if _debug():
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        err.print(
+            f"[bold red]internal error:[/] {type(error).__name__}: {first} "
+            "(run with ADAPTERPACK_DEBUG=1 for the traceback)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1) from None

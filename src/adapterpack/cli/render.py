@@ -1,0 +1,205 @@
+"""What the command line prints: consoles, progress for long stages, and the tables of build,
+verify and inspect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+# CI logs are not terminals; rich would wrap tables at 80 columns there.
+out = Console(width=None if sys.stdout.isatty() else 160)
+
+
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+class ConsoleReporter:
+    """Progress for long builds: a spinner per stage on a terminal, one log line per stage otherwise."""
+
+    def __init__(self, quiet: bool):
+        self.live = err.is_terminal and not quiet and not os.environ.get("CI")
+        self.quiet = quiet
+
+    @contextlib.contextmanager
+    def stage(self, label: str) -> Iterator[None]:
+        started = time.perf_counter()
+        if self.live:
+            with err.status(f"{label} ..."):
+                yield
+        else:
+            yield
+        seconds = time.perf_counter() - started
+        if self.live:
+            err.print(f"[green]✓[/] {label} [dim]({seconds:.1f} s)[/]", highlight=False)
+        else:  # CI logs: still one line per stage
+            print(f"{label} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            err.print(message, highlight=False)
+
+
+def human_size(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"
+
+
+def verify_table(report) -> Table:
+    """The per-function checklist of a verification."""
+    from adapterpack.verify.reports import REUSED_NOTE
+
+    table = Table(title=f"verify {report.package.name} ({report.backend} backend)", title_justify="left")
+    columns = ("function", "compression", "worse drive", "cosine", "max |err|", "top-1", "KL", "retention", "result")
+    for column in columns:
+        table.add_column(column, justify="right" if column not in ("function", "compression", "worse drive", "result") else "left")
+    for f in report.functions:
+        kept = "-" if f.retention is None else f"{f.retention:.3f}"
+        result = "[green]pass[/]" if f.passed else "[red]FAIL[/]: " + "; ".join(f.failures)
+        if REUSED_NOTE in f.notes:
+            result += " (unchanged, verified before)"
+        table.add_row(
+            f.name, f.compression, f.drive or "-", f"{f.cosine:.5f}", f"{f.max_abs_error:.3g}", f"{f.top1:.1%}",
+            f"{f.kl:.2e}", kept, result,
+        )
+    for problem in report.integrity:
+        table.add_row("(package)", "", "", "", "", "", "", "", f"[red]FAIL[/]: {problem}")
+    return table
+
+
+def print_build(result) -> None:
+    """The build summary: functions, sizes, reuse, and the verification table."""
+    table = Table(title=f"{result.output}", title_justify="left")
+    for column in ("function", "adapter", "lora", "compression", "alone"):
+        table.add_column(column)
+    for record in result.functions:
+        default = " (default)" if record.name == result.default_function else ""
+        table.add_row(
+            record.name + default,
+            record.adapter or "(base)",
+            record.lora or "-",
+            record.compression,
+            human_size(result.part_sizes.get(record.name, 0)),
+        )
+    out.print(table)
+    alone = sum(result.part_sizes.values())
+    reused = f"; reused from cache: {', '.join(result.reused)}" if getattr(result, "reused", None) else ""
+    out.print(
+        f"package {human_size(result.package_size)} (functions built alone: {human_size(alone)}) "
+        f"in {result.seconds:.0f} s{reused}",
+        highlight=False,
+    )
+    if result.verify_report is not None:
+        out.print(verify_table(result.verify_report))
+        out.print(result.verify_report.verdict(), highlight=False)
+
+
+def _signed(size: int) -> str:
+    return ("-" if size < 0 else "") + human_size(abs(size))
+
+
+def print_inspection(report, estimate, budget: list[dict], top: int) -> None:
+    default = report.default_function
+    out.print(
+        f"{report.path}: {len(report.functions)} function(s) (default {default}), "
+        f"{human_size(report.total_bytes)} on disk",
+        highlight=False,
+    )
+    table = Table(title="bytes per function", title_justify="left")
+    for column in ("function", "unique", "shared", "references", "alone", "weights by kind"):
+        table.add_column(column, justify="left" if column in ("function", "weights by kind") else "right")
+    for f in report.functions:
+        kinds = "; ".join(f"{kind} {human_size(size)}" for kind, size in f.bytes_by_kind.items())
+        table.add_row(
+            f.name + (" (default)" if f.default else ""),
+            human_size(f.unique_bytes),
+            human_size(f.shared_bytes),
+            human_size(f.referenced_bytes),
+            human_size(f.alone_bytes),
+            kinds,
+        )
+    out.print(table)
+    others = ", ".join(f"{Path(name).name} {human_size(size)}" for name, size in report.other_files.items())
+    out.print(
+        f"total {human_size(report.total_bytes)} = weights {human_size(report.weight_bytes)} (tensor data "
+        f"{human_size(report.weight_data_bytes)} + headers/padding {human_size(report.overhead_bytes)}) + other files "
+        f"{human_size(report.other_bytes)} ({others})",
+        highlight=False,
+    )
+    out.print(
+        f"stored once for 2+ functions: {human_size(report.shared_bytes)}; functions built alone: "
+        f"{human_size(report.sum_alone_bytes)}; dedup ratio {report.dedup_ratio:.2f}x",
+        highlight=False,
+    )
+    if report.unreferenced_bytes:
+        out.print(f"[yellow]unreferenced weight data: {human_size(report.unreferenced_bytes)}[/]", highlight=False)
+
+    if top:
+        tensors = Table(title=f"largest tensors (top {top})", title_justify="left")
+        for column in ("tensor", "functions", "size", "shape", "kind", "stored as"):
+            tensors.add_column(column, justify="right" if column == "size" else "left")
+        for t in report.largest(top):
+            shape = "x".join("?" if d is None else str(d) for d in t.shape)
+            names = t.names[0] + (f" (+{len(t.names) - 1} name(s))" if len(t.names) > 1 else "")
+            tensors.add_row(names, ", ".join(t.functions), human_size(t.bytes), shape, t.kind, ", ".join(t.storage))
+        out.print(tensors)
+
+    kinds = Table(title="compression (each stored tensor once)", title_justify="left")
+    for column in ("kind", "bytes", "share"):
+        kinds.add_column(column, justify="left" if column == "kind" else "right")
+    for kind, size in report.bytes_by_kind.items():
+        share = size / report.weight_data_bytes if report.weight_data_bytes else 0.0
+        kinds.add_row(kind, human_size(size), f"{share:.1%}")
+    out.print(kinds)
+
+    for finding in report.device_findings:
+        out.print(f"[yellow]warning[/]: {finding.line()}", highlight=False)
+    if estimate is None:
+        out.print("memory budget: no keyCache state in this package, so no KV-cache size to estimate", highlight=False)
+        return
+    shape = report.shape
+    activations = f"{human_size(estimate.activation_bytes)}" if estimate.activations_known else "unknown (no vocab/hidden)"
+    out.print(
+        f"model: {shape.n_layers} layers, {shape.n_kv_heads} kv heads x {shape.head_dim}, max_context "
+        f"{shape.max_context}, vocab {shape.vocab or '?'}, hidden {shape.hidden or '?'}. Largest function "
+        f"{estimate.function}: weights {human_size(estimate.weights_bytes)} + states (KV-cache) {human_size(estimate.kv_bytes)} + "
+        f"activations {activations} (estimate) = {human_size(estimate.need_bytes)}",
+        highlight=False,
+    )
+    memory = Table(title="memory budget (one function loaded)", title_justify="left")
+    for column in ("device", "RAM", "app limit", "fits", "headroom", "with entitlement", "fits", "headroom", "max context", "ref"):
+        memory.add_column(column, justify="left" if column in ("device", "fits", "ref") else "right")
+    verdict = lambda fits: "-" if fits is None else ("[green]yes[/]" if fits else "[red]no[/]")  # noqa: E731
+    for index, row in enumerate(budget, start=1):
+        raised = row["increased_limit_bytes"]
+        memory.add_row(
+            row["name"],
+            human_size(row["ram_bytes"]),
+            human_size(row["limit_bytes"]) + ("*" if row["estimate"] else ""),
+            verdict(row["fits"]),
+            _signed(row["headroom_bytes"]),
+            "-" if raised is None else human_size(raised),
+            verdict(row["fits_increased"]),
+            "-" if row["headroom_increased_bytes"] is None else _signed(row["headroom_increased_bytes"]),
+            "-" if row["largest_context"] is None else str(row["largest_context"]),
+            f"[{index}]",
+        )
+    out.print(memory)
+    out.print(
+        "* estimate. Limits are for the whole app; keep headroom for its own memory. max context: largest "
+        "max_context (steps of 256) that fits the app limit with a full-length prefill.",
+        highlight=False,
+    )
+    for index, row in enumerate(budget, start=1):
+        out.print(f"[{index}] {row['source']}", highlight=False, markup=False)

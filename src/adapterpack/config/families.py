@@ -1,0 +1,31 @@
+"""Model families the export decoder supports, checked from config.json before torch is imported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from adapterpack.errors import BadInput
+
+# model_type -> human name. All share the Llama layout (pre-norm, rotary, gated MLP); Qwen2 adds
+# q/k/v biases (inside the Linear layers), Qwen3 adds per-head q/k RMS norms.
+SUPPORTED_FAMILIES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+}
+
+
+def unsupported_message(model_type: object) -> str:
+    names = ", ".join(f"{human} ({key})" for key, human in SUPPORTED_FAMILIES.items())
+    return f"unsupported architecture {model_type!r}: supported are {names}"
+
+
+def check_family(config: dict, config_file: Path) -> str:
+    """Return the config's model_type, or raise BadInput naming the supported families."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise BadInput(f"{config_file}: {unsupported_message(model_type)}")
+    if config.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+        raise BadInput(f"{config_file}: partial rotary embeddings (partial_rotary_factor) are not supported")
+    return model_type

@@ -1,0 +1,496 @@
+"""The manifest: a strict, frozen, typed description of one package, validated once at the edge.
+
+Everything here is cheap (PyYAML + pydantic, no torch or coremltools), so a broken manifest is
+refused in well under a second. Errors carry ``file:line: field: reason``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from adapterpack.errors import BadInput
+
+FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Swift keywords cannot be enum case names without backticks; they are still valid function names.
+DEPLOYMENT_TARGETS = ("iOS18", "macOS15", "tvOS18", "watchOS11", "visionOS2", "iOS26", "macOS26")
+PALETTIZE_NBITS = (1, 2, 3, 4, 6, 8)
+LINEAR_NBITS = (4, 8)
+MAX_CONTEXT_LIMIT = 131072
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Compression(_Strict):
+    """How one function's weights are compressed; unset fields take the method's defaults."""
+
+    method: Literal["palettize", "linear", "prune", "none"] = "palettize"
+    nbits: StrictInt | None = None
+    granularity: Literal["per_tensor", "per_channel", "per_grouped_channel", "per_block"] | None = None
+    group_size: StrictInt | None = Field(default=None, ge=1)
+    block_size: StrictInt | None = Field(default=None, ge=1)
+    sparsity: StrictFloat | None = Field(default=None, gt=0.0, lt=1.0)
+    keep_float16: tuple[StrictStr, ...] = ("embed_tokens", "lm_head")
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> Compression:
+        method = self.method
+        given = self.model_fields_set
+
+        def forbid(*names: str) -> None:
+            for name in names:
+                if name in given and getattr(self, name) is not None:
+                    raise ValueError(f"'{name}' does not apply to method '{method}'")
+
+        values: dict[str, Any] = {}
+        if method == "palettize":
+            forbid("block_size", "sparsity")
+            nbits = 4 if self.nbits is None else self.nbits
+            if nbits not in PALETTIZE_NBITS:
+                raise ValueError(f"nbits {nbits} is not valid for palettize: choose one of {PALETTIZE_NBITS}")
+            granularity = self.granularity or "per_grouped_channel"
+            if granularity not in ("per_tensor", "per_grouped_channel"):
+                raise ValueError(
+                    f"granularity '{granularity}' is not valid for palettize: "
+                    "choose per_tensor or per_grouped_channel"
+                )
+            values = {"nbits": nbits, "granularity": granularity}
+            if granularity == "per_grouped_channel":
+                values["group_size"] = self.group_size or 16
+            else:
+                forbid("group_size")
+        elif method == "linear":
+            forbid("group_size", "sparsity")
+            nbits = 8 if self.nbits is None else self.nbits
+            if nbits not in LINEAR_NBITS:
+                raise ValueError(f"nbits {nbits} is not valid for linear: choose one of {LINEAR_NBITS}")
+            granularity = self.granularity or "per_block"
+            if granularity not in ("per_tensor", "per_channel", "per_block"):
+                raise ValueError(
+                    f"granularity '{granularity}' is not valid for linear: "
+                    "choose per_tensor, per_channel or per_block"
+                )
+            values = {"nbits": nbits, "granularity": granularity}
+            if granularity == "per_block":
+                values["block_size"] = self.block_size or 32
+            else:
+                forbid("block_size")
+        elif method == "prune":
+            forbid("nbits", "granularity", "group_size", "block_size")
+            values = {"sparsity": 0.5 if self.sparsity is None else self.sparsity}
+        else:
+            forbid("nbits", "granularity", "group_size", "block_size", "sparsity")
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+        return self
+
+    def describe(self) -> str:
+        """Short human description, e.g. ``palettize 4-bit per_grouped_channel/16``."""
+        if self.method == "palettize":
+            extra = f"/{self.group_size}" if self.granularity == "per_grouped_channel" else ""
+            return f"palettize {self.nbits}-bit {self.granularity}{extra}"
+        if self.method == "linear":
+            extra = f"/{self.block_size}" if self.granularity == "per_block" else ""
+            return f"linear int{self.nbits} {self.granularity}{extra}"
+        if self.method == "prune":
+            return f"prune {self.sparsity:.0%}"
+        return "float16"
+
+
+class Base(_Strict):
+    path: StrictStr = Field(description="Local Hugging Face folder (relative to the manifest) or a hub id")
+    revision: StrictStr | None = Field(default=None, description="Hub revision (hub ids only)")
+    tokenizer: StrictStr | None = Field(
+        default=None,
+        description="Hub id the Swift client loads the tokenizer from (written as co.huggingface.exporters.name); "
+        "default: `path` when it is a hub id, else the base's _name_or_path or folder name",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+class Adapter(_Strict):
+    name: StrictStr = Field(description="Function name in the package ([A-Za-z_][A-Za-z0-9_]*)")
+    path: StrictStr = Field(description="peft adapter folder: adapter_config.json + adapter_model.safetensors")
+    scale: StrictFloat | StrictInt = Field(default=1.0, description="Multiplier on the adapter's LoRA scaling")
+    lora: Literal["fuse", "keep"] | None = Field(default=None, description="Override of the manifest-wide `lora`")
+    compression: dict[str, Any] | None = Field(
+        default=None, description="Per-function override of the manifest's `compression` block"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _swift_name(cls, value: str) -> str:
+        return check_function_name(value)
+
+
+class Export(_Strict):
+    # At least 2: swift-transformers sends a mask one slot wider than the tokens it holds.
+    max_context: Annotated[StrictInt, Field(ge=2, le=MAX_CONTEXT_LIMIT)] | Literal["auto"] = Field(
+        default=512,
+        description="KV-cache length (a multiple of 32 for the Neural Engine), or `auto`: the largest that fits `target_device`",
+    )
+    target_device: StrictStr | None = Field(
+        default=None, description="Device whose app memory limit `max_context: auto` fits (adapterpack inspect lists them)"
+    )
+    deployment_target: Literal[DEPLOYMENT_TARGETS] = "iOS18"  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _auto_needs_device(self) -> Export:
+        if self.max_context == "auto" and not self.target_device:
+            raise ValueError("max_context: auto needs target_device (e.g. iphone-15)")
+        if self.target_device:
+            from adapterpack.config.devices import find_device
+
+            try:
+                find_device(self.target_device)
+            except BadInput as error:
+                raise ValueError(f"target_device: {error}") from None
+        return self
+
+
+# Verification thresholds by compression, chosen from measurements on the demo package (README,
+# "Verification"; 32 positions of seeded random tokens) with a margin. float16 must match closely;
+# low-bit weights move a small model's logits visibly, so top-1 and cosine are looser there, but
+# an adapter's effect must still survive (retention: cosine between the package's and the
+# adapter's change of the logits from the base).
+DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
+    "none": {"top1": 0.99, "cosine": 0.999, "retention": 0.9},
+    "palettize-low": {"top1": 0.60, "cosine": 0.95, "retention": 0.5},  # 1-4 bits
+    "palettize-high": {"top1": 0.80, "cosine": 0.99, "retention": 0.8},  # 6-8 bits
+    "linear-int4": {"top1": 0.70, "cosine": 0.97, "retention": 0.6},
+    "linear-int8": {"top1": 0.95, "cosine": 0.999, "retention": 0.9},
+    "prune": {"top1": 0.40, "cosine": 0.90, "retention": 0.4},
+}
+
+
+def threshold_profile(compression: Compression) -> str:
+    """Which row of DEFAULT_THRESHOLDS applies to a compression."""
+    if compression.method == "palettize":
+        return "palettize-low" if compression.nbits <= 4 else "palettize-high"
+    if compression.method == "linear":
+        return f"linear-int{compression.nbits}"
+    return compression.method
+
+
+class VerifySettings(_Strict):
+    """How ``verify`` exercises each function, and what it accepts (unset: method defaults)."""
+
+    prefill: StrictInt = Field(default=16, ge=1, description="Tokens in the first (prefill) call")
+    decode_steps: StrictInt = Field(default=16, ge=0, description="Single-token calls after the prefill")
+    seed: StrictInt = Field(default=0, description="Seed of the token sequence")
+    min_top1: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1, description="Top-1 agreement")
+    min_cosine: StrictFloat | StrictInt | None = Field(default=None, ge=-1, le=1, description="Mean logit cosine")
+    min_retention: StrictFloat | StrictInt | None = Field(
+        default=None, description="Share of the adapter's effect on the logits that must survive"
+    )
+
+    def thresholds_for(self, compression: Compression) -> dict[str, float]:
+        values = dict(DEFAULT_THRESHOLDS[threshold_profile(compression)])
+        for key, given in (("top1", self.min_top1), ("cosine", self.min_cosine), ("retention", self.min_retention)):
+            if given is not None:
+                values[key] = float(given)
+        return values
+
+
+class Manifest(_Strict):
+    """A validated manifest. Paths are absolute; per-function compression is resolved."""
+
+    name: StrictStr = Field(description="Package name, written to the package metadata")
+    base: Base
+    adapters: tuple[Adapter, ...] = ()
+    include_base: StrictStr | None = Field(
+        default=None, description="Also ship the plain base as a function with this name"
+    )
+    default_function: StrictStr | None = Field(default=None, description="Function loaded when none is named")
+    lora: Literal["fuse", "keep"] = "fuse"
+    export: Export = Export()
+    compression: Compression = Compression()
+    lora_compression: Compression = Field(
+        default_factory=lambda: Compression(method="none"),
+        description="Compression of the LoRA A/B matrices in `lora: keep` functions (default: float16)",
+    )
+    verify: VerifySettings = VerifySettings()
+    output: StrictStr | None = Field(default=None, description="Output .mlpackage (default build/<name>.mlpackage)")
+
+    # Set by load_manifest; not part of the YAML format.
+    source: Annotated[Path | None, Field(exclude=True)] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value.strip() or "/" in value or "\\" in value:
+            raise ValueError(f"'{value}' is not a valid package name (non-empty, no slashes)")
+        return value
+
+    @field_validator("include_base")
+    @classmethod
+    def _base_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_function_name(value)
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Manifest:
+        names = self.function_names
+        if not names:
+            raise ValueError("no functions: list at least one adapter or set include_base")
+        seen: dict[str, str] = {}
+        for name in names:
+            if name.lower() in seen:
+                raise ValueError(
+                    f"function names '{seen[name.lower()]}' and '{name}' clash "
+                    "(names must be unique ignoring case)"
+                )
+            seen[name.lower()] = name
+        if self.default_function is not None and self.default_function not in names:
+            raise ValueError(
+                f"default_function '{self.default_function}' is not a function: choose one of {', '.join(names)}"
+            )
+        for adapter in self.adapters:
+            if adapter.compression is not None:
+                self.compression_for(adapter.name)  # raises ValueError with the reason
+        return self
+
+    @property
+    def function_names(self) -> list[str]:
+        names = [a.name for a in self.adapters]
+        if self.include_base:
+            names.append(self.include_base)
+        return names
+
+    @property
+    def default(self) -> str:
+        return self.default_function or self.function_names[0]
+
+    @property
+    def folder(self) -> Path:
+        return self.source.parent if self.source else Path.cwd()
+
+    def adapter(self, name: str) -> Adapter | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
+    def adapter_path(self, adapter: Adapter) -> Path:
+        return (self.folder / Path(adapter.path).expanduser()).resolve()
+
+    def lora_mode(self, name: str) -> Literal["fuse", "keep"]:
+        adapter = self.adapter(name)
+        return (adapter.lora if adapter and adapter.lora else self.lora)
+
+    def compression_for(self, name: str) -> Compression:
+        """The compression of one function: the adapter's override merged over the manifest's."""
+        adapter = self.adapter(name)
+        if adapter is None or adapter.compression is None:
+            return self.compression
+        override = dict(adapter.compression)
+        method = override.get("method", self.compression.method)
+        if method == self.compression.method:
+            merged = {k: v for k, v in self.compression.model_dump().items() if k in self.compression.model_fields_set}
+            merged.update(override)
+        else:  # a different method starts from that method's defaults
+            merged = {"keep_float16": self.compression.keep_float16, **override}
+        try:
+            return Compression.model_validate(merged)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"adapter '{name}' compression{'.' + where if where else ''}: {first['msg']}") from None
+
+    def output_path(self, override: str | Path | None = None) -> Path:
+        if override is not None:
+            return Path(override).expanduser().resolve()
+        if self.output is not None:
+            return (self.folder / Path(self.output).expanduser()).resolve()
+        return (self.folder / "build" / f"{self.name}.mlpackage").resolve()
+
+
+def check_function_name(value: str) -> str:
+    if not FUNCTION_NAME.match(value):
+        raise ValueError(
+            f"function name '{value}' is not usable from Swift: use letters, digits and '_', "
+            "not starting with a digit"
+        )
+    return value
+
+
+# ---------------------------------------------------------------- YAML with line numbers
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader (YAML 1.1 rules kept on purpose: ``name: no`` reads as ``False``, and the schema's
+    strict string fields then refuse it with a hint to quote, instead of accepting a surprise)."""
+
+
+_YAML_11_WORDS = {"yes", "no", "on", "off", "y", "n", "true", "false"}
+
+
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_EXPANDED_NODES = 100_000
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes the document expands to once aliases are followed (a YAML "billion laughs" is tiny
+    on disk and astronomically large expanded)."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    memo[key] = 1  # a cycle counts once instead of recursing forever
+    size = 1
+    if isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(item, memo) for item in node.value)
+    memo[key] = min(size, MAX_EXPANDED_NODES + 1)
+    return memo[key]
+
+
+def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], file: Path, raw: dict[tuple, str]) -> None:
+    lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.ScalarNode):
+        raw[path] = node.value
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise BadInput(f"{file}:{key_node.start_mark.line + 1}: mapping keys must be plain words")
+            key = key_node.value
+            if key in seen:
+                raise BadInput(
+                    f"{file}:{key_node.start_mark.line + 1}: duplicate key '{key}' "
+                    f"(first at line {seen[key]})"
+                )
+            seen[key] = key_node.start_mark.line + 1
+            lines[path + (key,)] = key_node.start_mark.line + 1
+            _walk(value_node, path + (key,), lines, file, raw)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _walk(item, path + (index,), lines, file, raw)
+
+
+def _line_for(loc: tuple, lines: dict[tuple, int]) -> int | None:
+    for cut in range(len(loc), -1, -1):
+        if loc[:cut] in lines:
+            return lines[loc[:cut]]
+    return None
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read, parse and validate a manifest file; raise BadInput with ``file:line: reason``."""
+    file = Path(path)
+    if not file.exists():
+        raise BadInput(f"{file}: manifest not found")
+    if not file.is_file():
+        raise BadInput(f"{file}: manifest is not a file")
+    try:
+        if file.stat().st_size > MAX_MANIFEST_BYTES:
+            raise BadInput(f"{file}: manifest is larger than {MAX_MANIFEST_BYTES // 1024} KiB")
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadInput(f"{file}: cannot read manifest ({error})") from None
+    try:
+        root = yaml.compose(text, Loader=_StrictLoader)
+    except RecursionError:
+        raise BadInput(f"{file}: YAML nesting is too deep") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise BadInput(f"{file}{line}: YAML syntax error: {problem}") from None
+    if root is None or not isinstance(root, yaml.MappingNode):
+        raise BadInput(f"{file}:1: the manifest must be a YAML mapping (name:, base:, adapters:, ...)")
+    if _expanded_size(root, {}) > MAX_EXPANDED_NODES:
+        raise BadInput(f"{file}: the manifest expands to more than {MAX_EXPANDED_NODES} YAML nodes (alias bomb?)")
+    lines: dict[tuple, int] = {}
+    raw: dict[tuple, str] = {}
+    try:
+        _walk(root, (), lines, file, raw)
+    except RecursionError:
+        raise BadInput(f"{file}: YAML nesting is too deep") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as error:  # e.g. unhashable keys, which compose accepts
+        raise BadInput(f"{file}: YAML error: {str(error).splitlines()[0]}") from None
+    except (TypeError, ValueError, RecursionError) as error:  # e.g. a mapping used as a key
+        raise BadInput(f"{file}: YAML error: {error}") from None
+    try:
+        manifest = Manifest.model_validate(data)
+    except ValidationError as error:
+        raise BadInput(_describe_validation_error(error, file, lines, raw)) from None
+    except ValueError as error:
+        raise BadInput(f"{file}: {error}") from None
+    manifest = manifest.model_copy(update={"source": file.resolve()})
+    _check_paths(manifest, file, lines)
+    return manifest
+
+
+def _describe_validation_error(error: ValidationError, file: Path, lines: dict[tuple, int], raw: dict[tuple, str]) -> str:
+    first = error.errors(include_url=False)[0]
+    loc = tuple(first["loc"])
+    line = _line_for(loc, lines)
+    where = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[")
+    message = first["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    if first["type"] == "extra_forbidden":
+        message = f"unknown key '{loc[-1]}'"
+        where = where.rsplit(".", 1)[0] if "." in where else ""
+    written = raw.get(loc)
+    if first["type"] == "string_type" and written is not None:
+        # YAML turned an unquoted word or number into another type: show what was written.
+        reading = "a boolean" if written.lower() in _YAML_11_WORDS else "a number"
+        message = f"YAML reads {written} as {reading}, not text: quote it (\"{written}\")"
+    if len(error.errors()) > 1:
+        message += f" (and {len(error.errors()) - 1} more)"
+    prefix = f"{file}:{line}" if line else str(file)
+    return f"{prefix}: {where + ': ' if where else ''}{message}"
+
+
+def _check_paths(manifest: Manifest, file: Path, lines: dict[tuple, int]) -> None:
+    """Adapter folders must exist; the base must be a folder or look like a hub id."""
+    for index, adapter in enumerate(manifest.adapters):
+        folder = manifest.adapter_path(adapter)
+        line = lines.get(("adapters", index, "path"))
+        where = f"{file}:{line}" if line else str(file)
+        if not folder.exists():
+            raise BadInput(f"{where}: adapters[{index}].path: {folder} does not exist")
+        if not folder.is_dir():
+            raise BadInput(f"{where}: adapters[{index}].path: {folder} is not a folder")
+    base = manifest.base.path
+    local = (manifest.folder / Path(base).expanduser()).resolve()
+    line = lines.get(("base", "path"))
+    where = f"{file}:{line}" if line else str(file)
+    if local.exists() and not local.is_dir():
+        raise BadInput(f"{where}: base.path: {local} is not a folder")
+    if not local.exists() and not looks_like_hub_id(base):
+        raise BadInput(f"{where}: base.path: {local} does not exist (and '{base}' is not a hub id)")
+
+
+def looks_like_hub_id(value: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value)) and not value.startswith(".")
+
+
+def manifest_json_schema() -> dict:
+    """JSON Schema of the manifest format (``adapterpack schema``)."""
+    schema = Manifest.model_json_schema()
+    schema.get("properties", {}).pop("source", None)
+    schema["title"] = "adapterpack manifest"
+    return schema

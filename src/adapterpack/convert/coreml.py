@@ -1,0 +1,67 @@
+"""Trace the export decoder and convert it to a stateful Core ML ML Program (one function)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from adapterpack.convert.export_decoder import WRITTEN_SLOTS, ExportDecoder
+from adapterpack.quiet import captured_output, import_coremltools
+
+log = logging.getLogger(__name__)
+
+INPUT_IDS = "inputIds"
+CAUSAL_MASK = "causalMask"
+LOGITS = "logits"
+STATE_NAMES = ("keyCache", "valueCache", WRITTEN_SLOTS)
+
+
+def deployment_target(name: str):
+    ct = import_coremltools()
+    try:
+        return getattr(ct.target, name)
+    except AttributeError:
+        raise ValueError(f"coremltools {ct.__version__} does not know deployment target {name}") from None
+
+
+def convert_decoder(model: torch.nn.Module, *, max_context: int, target: str = "iOS18"):
+    """Convert an HF causal LM (plain or with peft LoRA layers) to a single-function ML Program.
+
+    Returns an unloaded ``MLModel`` (``skip_model_load``: no Core ML runtime is needed).
+    """
+    ct = import_coremltools()
+    decoder = ExportDecoder(model, max_context=max_context, cache_dtype=torch.float16).eval()
+    # Trace with q > 1 and end > q, so neither the prefill nor the cache offset is specialised away.
+    example_len = min(2, max_context)
+    example = (
+        torch.zeros((1, example_len), dtype=torch.int32),
+        torch.zeros((1, 1, example_len, min(example_len + 3, max_context)), dtype=torch.float32),
+    )
+    if example[1].shape[-1] < example_len:  # max_context 1
+        example = (example[0][:, :1], torch.zeros((1, 1, 1, 1)))
+    with torch.no_grad(), captured_output():
+        traced = torch.jit.trace(decoder, example, check_trace=False)
+    length = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
+    mask_rows = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
+    mask_end = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
+    with captured_output():
+        mlmodel = ct.convert(
+            traced,
+            inputs=[
+                ct.TensorType(name=INPUT_IDS, shape=(1, length), dtype=np.int32),
+                ct.TensorType(name=CAUSAL_MASK, shape=(1, 1, mask_rows, mask_end), dtype=np.float16),
+            ],
+            outputs=[ct.TensorType(name=LOGITS, dtype=np.float16)],
+            states=[
+                ct.StateType(wrapped_type=ct.TensorType(shape=getattr(decoder, name).shape, dtype=np.float16), name=name)
+                for name in STATE_NAMES
+            ],
+            minimum_deployment_target=deployment_target(target),
+            compute_precision=ct.precision.FLOAT16,
+            compute_units=ct.ComputeUnit.ALL,
+            skip_model_load=True,
+        )
+    del traced, decoder
+    return mlmodel

@@ -1,0 +1,204 @@
+"""Export-friendly decoder forward over a Hugging Face causal LM.
+
+transformers' own ``forward`` does not convert to Core ML (its mask and cache code emit ops
+coremltools cannot lower), so this module re-implements only the attention plumbing and calls the
+HF modules themselves for everything with weights: embeddings, q/k/v/o projections (plain
+``nn.Linear`` or peft LoRA layers), q/k norms, MLPs, final norm and ``lm_head``. The KV-cache is a
+pair of registered buffers that coremltools turns into the ``keyCache``/``valueCache`` states of
+the Swift contract.
+
+Swift contract (swift-transformers ``LanguageModelWithStatefulKVCache``):
+``inputIds`` (1, q) int32, ``causalMask`` (1, 1, q or 1, end) additive float16, states
+``keyCache``/``valueCache``, output ``logits`` (1, q, vocab). This call's tokens are written at
+cache positions ``start = end - q`` .. ``end - 1``, and the causal structure is built here: the
+client sends ZEROS for ``causalMask``.
+
+Two calling conventions meet here. Python clients in Apple's style send ``end = past + q``.
+swift-transformers sends ``end = tokenCount + 1`` (every token so far, plus one), so its prompt
+lands at positions 1..n and slot 0 is never written. Only rope's relative positions matter, so
+both give the same logits provided a slot no call has written is never attended: a third state,
+``writtenSlots``, marks the slots each call writes (``makeState()`` creates every state the model
+declares, so the Swift client needs no change).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from adapterpack.config.families import SUPPORTED_FAMILIES, unsupported_message
+from adapterpack.errors import BadInput
+
+# Large enough that exp() underflows to 0 in float16 softmax, small enough not to overflow
+# when a caller's own additive mask is added on top.
+MASK_NEGATIVE = -1.0e4
+# Name of the state that marks written cache slots (1.0) against never-written ones (0.0, the
+# value Core ML and the executor give a fresh state).
+WRITTEN_SLOTS = "writtenSlots"
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """Static sizes of a decoder, read once from its config as Python ints.
+
+    Python ints (not ``tensor.shape`` arithmetic) keep ``aten::Int`` out of the traced graph.
+    """
+
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config) -> DecoderShape:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_FAMILIES:
+            raise BadInput(unsupported_message(model_type))
+        n_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        sliding = None
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            sliding = int(config.sliding_window)
+        return cls(
+            model_type=model_type,
+            n_layers=config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            sliding_window=sliding,
+        )
+
+    def kv_cache_shape(self, max_context: int) -> tuple[int, ...]:
+        # (layers, batch, kv_heads, context, head_dim): the layout of Apple's stateful Llama export.
+        return (self.n_layers, 1, self.n_kv_heads, max_context, self.head_dim)
+
+    @staticmethod
+    def written_slots_shape(max_context: int) -> tuple[int, ...]:
+        # (batch, 1, 1, context): broadcasts against the (batch, heads, q, context) attention bias.
+        return (1, 1, 1, max_context)
+
+
+def rope_tables(hf_model, shape: DecoderShape, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (max_context, head_dim) from the model's own rotary embedding.
+
+    Reusing ``rotary_emb.inv_freq`` and ``attention_scaling`` keeps every rope variant HF
+    implements (Llama 3 scaling, YaRN, linear) without re-deriving it here.
+    """
+    rotary = hf_model.model.rotary_emb
+    inv_freq = rotary.inv_freq.detach().to(torch.float64)
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    positions = torch.arange(max_context, dtype=torch.float64)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    if emb.shape[-1] != shape.head_dim:
+        raise BadInput(
+            f"rotary embedding covers {emb.shape[-1]} of head_dim {shape.head_dim}: "
+            "partial rotary embeddings are not supported"
+        )
+    return (emb.cos() * scaling).to(torch.float32), (emb.sin() * scaling).to(torch.float32)
+
+
+class ExportDecoder(nn.Module):
+    """Stateful decoder forward: ``(inputIds, causalMask) -> logits``, cache in buffers."""
+
+    def __init__(self, hf_model, max_context: int, cache_dtype: torch.dtype = torch.float16):
+        super().__init__()
+        self.shape = DecoderShape.from_config(hf_model.config)
+        self.max_context = int(max_context)
+        self.hf = hf_model
+        cos, sin = rope_tables(hf_model, self.shape, self.max_context)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        cache_shape = self.shape.kv_cache_shape(self.max_context)
+        # Buffer names become the Core ML state names.
+        self.register_buffer("keyCache", torch.zeros(cache_shape, dtype=cache_dtype))
+        self.register_buffer("valueCache", torch.zeros(cache_shape, dtype=cache_dtype))
+        self.register_buffer(
+            WRITTEN_SLOTS, torch.zeros(self.shape.written_slots_shape(self.max_context), dtype=cache_dtype)
+        )
+
+    def reset_cache(self) -> None:
+        self.keyCache.zero_()
+        self.valueCache.zero_()
+        self.writtenSlots.zero_()
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.shape.head_dim // 2
+        x1 = x[..., :half]
+        x2 = x[..., half:]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def _attention_bias(self, inputIds, start, end, causal_mask: torch.Tensor) -> torch.Tensor:  # noqa: N803
+        """Additive bias (1, 1, q, end): causal, sliding window, written slots, plus the caller's mask.
+
+        Built from arithmetic on full-shaped tensors, not ``torch.where`` on scalars: coremltools
+        broadcasts ``select`` only for static shapes and would declare a rank-0 result here.
+        """
+        q_len = inputIds.shape[-1]
+        # Mark this call's slots as written before reading them back.
+        written = torch.ones_like(inputIds, dtype=self.writtenSlots.dtype).view(1, 1, 1, -1)
+        self.writtenSlots[:, :, :, start:end] = written
+        seen = self.writtenSlots[:, :, :, :end].to(torch.float32)
+        # Token i of this call sits at position start + i and sees keys 0..start + i.
+        q_pos = torch.arange(q_len, dtype=torch.int32) + start
+        k_pos = torch.arange(end, dtype=torch.int32)
+        allowed = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).to(torch.float32)
+        if self.shape.sliding_window is not None:
+            inside = k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.shape.sliding_window
+            allowed = allowed * inside.to(torch.float32)
+        allowed = allowed.unsqueeze(0).unsqueeze(0) * seen
+        # The caller's mask is only added on top; (1, 1, 1, end) broadcasts over the query axis.
+        return (1.0 - allowed) * MASK_NEGATIVE + causal_mask.to(torch.float32)
+
+    def _attend(self, layer_idx: int, attn, hidden, cos, sin, bias, start, end) -> torch.Tensor:
+        s = self.shape
+        q = attn.q_proj(hidden).view(1, -1, s.n_heads, s.head_dim)
+        k = attn.k_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
+        v = attn.v_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head before rope
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q = self._rotate(q.transpose(1, 2), cos, sin)
+        k = self._rotate(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+
+        self.keyCache[layer_idx, :, :, start:end, :] = k.to(self.keyCache.dtype)
+        self.valueCache[layer_idx, :, :, start:end, :] = v.to(self.valueCache.dtype)
+        keys = self.keyCache[layer_idx, :, :, :end, :].to(q.dtype)
+        values = self.valueCache[layer_idx, :, :, :end, :].to(q.dtype)
+
+        groups = s.n_heads // s.n_kv_heads
+        if groups > 1:  # grouped-query attention: repeat each kv head for its query heads
+            keys = keys.unsqueeze(2).repeat(1, 1, groups, 1, 1).flatten(1, 2)
+            values = values.unsqueeze(2).repeat(1, 1, groups, 1, 1).flatten(1, 2)
+
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
+        out = out.transpose(1, 2).reshape(1, -1, s.n_heads * s.head_dim)
+        return attn.o_proj(out)
+
+    def forward(self, inputIds: torch.Tensor, causalMask: torch.Tensor) -> torch.Tensor:  # noqa: N803
+        q_len = inputIds.shape[-1]
+        end = causalMask.shape[-1]
+        start = end - q_len
+        body = self.hf.model
+        hidden = body.embed_tokens(inputIds)
+        cos = self.rope_cos[start:end].to(hidden.dtype)
+        sin = self.rope_sin[start:end].to(hidden.dtype)
+        bias = self._attention_bias(inputIds, start, end, causalMask).to(hidden.dtype)
+        for idx, layer in enumerate(body.layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            hidden = residual + self._attend(idx, layer.self_attn, hidden, cos, sin, bias, start, end)
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = body.norm(hidden)
+        return self.hf.lm_head(hidden)

@@ -1,0 +1,221 @@
+"""The base model: a local folder or a hub id resolved to a folder, its config and safetensors
+headers read and checked before any heavy work; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adapterpack.errors import BadInput
+from adapterpack.inputs.safetensors import (
+    _T,
+    TensorInfo,
+    _bad,
+    _load_json_object,
+    _short,
+    read_safetensors_header,
+    sha256_files,
+)
+
+# A Hugging Face repo id: "name" or "owner/name".
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+@dataclass(frozen=True)
+class BaseInfo:
+    """A validated base model folder."""
+
+    folder: Path  # local folder holding the files
+    config: dict  # parsed config.json
+    tensors: dict[str, TensorInfo]  # every weight name -> info, from safetensors headers only
+    weight_files: tuple[Path, ...]
+    content_hash: str  # sha256 over config.json + weight files
+    source: str  # what the manifest said (path or hub id)
+    revision: str | None
+
+
+def _looks_local(source: str) -> bool:
+    """True when ``source`` can only be a filesystem path, never a hub repo id."""
+    return (
+        source.startswith((".", "/", "~", "\\"))
+        or "\\" in source
+        or (len(source) > 1 and source[1] == ":")  # Windows drive
+        or not _HUB_ID.match(source)
+    )
+
+
+def os_errors_as_bad_input(func: Callable[..., _T]) -> Callable[..., _T]:
+    """Safety net: an unreadable path found while probing folders is bad input, not a crash."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> _T:
+        try:
+            return func(*args, **kwargs)
+        except OSError as exc:
+            where = exc.filename or (args[0] if args else "input")
+            raise _bad(where, f"cannot access: {exc.strerror or _short(exc)}") from None
+
+    return wrapper
+
+
+@os_errors_as_bad_input
+def resolve_base(source: str, revision: str | None, manifest_dir: Path) -> BaseInfo:
+    """Locate the base model (folder relative to ``manifest_dir``, or hub id) and validate it.
+
+    For a hub id the files are fetched with ``huggingface_hub.snapshot_download`` (json,
+    safetensors and tokenizer files only). The folder must hold ``config.json`` and either
+    ``model.safetensors`` or ``model.safetensors.index.json`` with its shards; pickle-only
+    bases are refused. Weights are described from headers only; NaN/Inf is not scanned here.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise BadInput(
+            "base: the manifest gives no base model (expected a local folder or a hub id)"
+        )
+    path = Path(source).expanduser()
+    if not path.is_absolute():
+        path = Path(manifest_dir) / path
+    if path.exists():
+        if not path.is_dir():
+            raise _bad(
+                path, "base is a file; expected a folder with config.json and model.safetensors"
+            )
+        return _inspect_base_folder(path.resolve(), source, revision, from_hub=False)
+    if _looks_local(source):
+        raise _bad(
+            path,
+            "base folder not found (the manifest's base path is resolved relative to the manifest)",
+        )
+    return _inspect_base_folder(_download(source, revision, path), source, revision, from_hub=True)
+
+
+def _download(source: str, revision: str | None, local_path: Path) -> Path:
+    """Fetch a hub snapshot; any failure is a BadInput suggesting a local folder."""
+    try:
+        # Lazy: huggingface_hub is only needed for hub ids and pulls in networking code.
+        from huggingface_hub import snapshot_download
+
+        where = snapshot_download(
+            repo_id=source,
+            revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
+        )
+    except Exception as exc:  # network, auth, missing repo, offline mode, missing package
+        raise BadInput(
+            f"base '{source}': cannot download from the Hugging Face hub "
+            f"({type(exc).__name__}: {_short(exc)}): use a local folder "
+            f"(there is none at {local_path})"
+        ) from None
+    folder = Path(where)
+    if not folder.is_dir():
+        raise BadInput(
+            f"base '{source}': the hub download gave no folder ({where}): use a local folder"
+        )
+    return folder
+
+
+def _inspect_base_folder(
+    folder: Path, source: str, revision: str | None, from_hub: bool
+) -> BaseInfo:
+    """Validate config.json and the safetensors weights of a local base folder."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise _bad(
+            config_file,
+            "missing: the base folder must be a Hugging Face model folder with config.json",
+        )
+    config = _load_json_object(config_file)
+
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    # Same preference as transformers: the single file wins over an index.
+    if single.is_file():
+        weight_files: tuple[Path, ...] = (single,)
+        tensors = read_safetensors_header(single)
+    elif index.is_file():
+        weight_files, tensors = _read_sharded(folder, index)
+    else:
+        raise _no_weights_error(folder, from_hub)
+    if not tensors:
+        raise _bad(weight_files[0], "holds no tensors")
+
+    return BaseInfo(
+        folder=folder,
+        config=config,
+        tensors=tensors,
+        weight_files=weight_files,
+        content_hash=sha256_files((config_file, *weight_files)),
+        source=source,
+        revision=revision,
+    )
+
+
+def _no_weights_error(folder: Path, from_hub: bool) -> BadInput:
+    """Explain why no safetensors weights were found (pickle-only, other formats, nothing)."""
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl"))]
+    if pickles:
+        return _bad(
+            folder,
+            f"base has only pickle weights ({', '.join(pickles[:3])}), which can run code "
+            "when loaded; convert them to safetensors "
+            "(load and save_pretrained(safe_serialization=True))",
+        )
+    others = [n for n in names if n.endswith(".safetensors")]
+    found = f"; found {', '.join(others[:3])}" if others else ""
+    # The hub download skips *.bin, so a pickle-only repo arrives without any weights.
+    hub = " (hub repos with only pickle weights are refused)" if from_hub else ""
+    return _bad(folder, f"no model.safetensors or model.safetensors.index.json{found}{hub}")
+
+
+def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
+    """Validate a sharded checkpoint: index weight_map against every shard's header."""
+    data = _load_json_object(index)
+    weight_map = data.get("weight_map")
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(v, str) for v in weight_map.values())
+    ):
+        raise _bad(
+            index,
+            "'weight_map' must be a non-empty object mapping tensor names to shard file names",
+        )
+
+    shard_names = sorted(set(weight_map.values()))
+    files: list[Path] = []
+    tensors: dict[str, TensorInfo] = {}
+    for shard_name in shard_names:
+        shard = folder / shard_name
+        # Refuse "../" or absolute names: the index must not point outside the model folder.
+        # Checked lexically, because hub snapshots are symlinks into a shared blob store.
+        normal = Path(os.path.normpath(shard_name))
+        if not shard_name or normal.is_absolute() or normal.parts[:1] == ("..",):
+            raise _bad(index, f"shard {shard_name!r} lies outside the model folder")
+        if not shard.is_file():
+            raise _bad(index, f"names shard {shard_name!r}, which is missing from {folder}")
+        header = read_safetensors_header(shard)
+        for name, info in header.items():
+            if name in tensors:
+                raise _bad(shard, f"tensor {name!r} also appears in {tensors[name].file.name}")
+            if weight_map.get(name) != shard_name:
+                raise _bad(
+                    shard,
+                    f"tensor {name!r} is not mapped to this shard in {index.name}: "
+                    "inconsistent checkpoint",
+                )
+            tensors[name] = info
+        files.append(shard)
+    missing = [name for name in weight_map if name not in tensors]
+    if missing:
+        raise _bad(
+            index,
+            f"{len(missing)} tensor(s) listed but absent from their shard, first {missing[0]!r} "
+            f"(expected in {weight_map[missing[0]]})",
+        )
+    return tuple(files), tensors

@@ -1,0 +1,142 @@
+"""Everything known about a build's inputs before any heavy work: the validated manifest, the
+base and every adapter checked (``check_inputs``), ``max_context: auto`` resolved, and the
+device rules on the state sizes the export will have.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapterpack.config.families import check_family
+from adapterpack.config.manifest import Manifest, load_manifest
+from adapterpack.errors import BadInput
+from adapterpack.inputs.adapter import AdapterInfo
+from adapterpack.inputs.base import BaseInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    """Everything known about the inputs before any heavy work."""
+
+    manifest: Manifest
+    base: BaseInfo
+    adapters: dict[str, AdapterInfo]  # by function name
+
+
+def check_inputs(
+    manifest: Manifest | str | Path | CheckedInputs, *, allow_pickle: bool = False, strict: bool = False
+) -> CheckedInputs:
+    """Validate the manifest, the base and every adapter without importing torch or coremltools.
+
+    ``strict`` turns warnings (an adapter trained on a differently named base) into errors.
+    """
+    from adapterpack.inputs.adapter import inspect_adapter
+    from adapterpack.inputs.base import resolve_base
+
+    if isinstance(manifest, CheckedInputs):
+        return manifest
+    if not isinstance(manifest, Manifest):
+        manifest = load_manifest(manifest)
+    base = resolve_base(manifest.base.path, manifest.base.revision, manifest.folder)
+    check_family(base.config, base.folder / "config.json")
+    adapters = {}
+    for adapter in manifest.adapters:
+        # The hub id the tokenizer is named by is also a name of the base.
+        aliases = tuple(filter(None, [manifest.base.tokenizer, base.config.get("_name_or_path")]))
+        info = inspect_adapter(manifest.adapter_path(adapter), base, allow_pickle=allow_pickle, base_names=aliases)
+        mode = manifest.lora_mode(adapter.name)
+        if mode == "keep" and info.uses_dora:
+            raise BadInput(
+                f"{info.folder}: DoRA adapters cannot be kept unfused (their magnitude vector rescales "
+                "the whole weight, so the base cannot be shared): use lora: fuse for this adapter"
+            )
+        if mode == "keep" and info.modules_to_save:
+            raise BadInput(
+                f"{info.folder}: modules_to_save ({', '.join(info.modules_to_save)}) replaces whole base "
+                "modules, which cannot be shared: use lora: fuse for this adapter"
+            )
+        for warning in info.warnings:
+            if strict:
+                raise BadInput(f"{warning} (an error with --strict)")
+            log.warning("%s", warning)
+        adapters[adapter.name] = info
+    if manifest.export.max_context == "auto":
+        manifest = _resolve_auto_context(manifest, base, adapters)
+    return CheckedInputs(manifest=manifest, base=base, adapters=adapters)
+
+
+def check_state_sizes(checked: CheckedInputs, *, strict: bool) -> None:
+    """Device rules on the state sizes the export will have (device_rules), before any heavy work:
+    a warning, or BadInput with ``strict``."""
+    from adapterpack.config.device_rules import cache_length_findings
+
+    manifest = checked.manifest
+    config = checked.base.config.get("text_config") or checked.base.config
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    for finding in cache_length_findings(int(manifest.export.max_context), int(head_dim), str(manifest.source)):
+        if strict:
+            raise BadInput(f"{finding.line()} (an error with --strict)")
+        log.warning("%s", finding.line())
+
+
+def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
+    """``max_context: auto``: the largest context whose weights + KV-cache + activations fit the device."""
+    from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE
+    from adapterpack.config.devices import (
+        estimated_weight_bytes,
+        find_device,
+        largest_context_that_fits,
+    )
+
+    config = base.config.get("text_config") or base.config
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    largest = 0
+    for name in manifest.function_names:
+        info = adapters.get(name)
+        lora = info.tensors if info is not None and manifest.lora_mode(name) == "keep" else {}
+        largest = max(largest, estimated_weight_bytes(base.tensors, manifest.compression_for(name), lora))
+    device = find_device(manifest.export.target_device)
+    context = largest_context_that_fits(
+        device,
+        largest,
+        config["num_hidden_layers"],
+        config.get("num_key_value_heads") or heads,
+        head_dim,
+        config["vocab_size"],
+        config["hidden_size"],
+        n_heads=heads,
+        intermediate=config.get("intermediate_size"),
+    )
+    if context == 0:
+        raise BadInput(
+            f"{manifest.source}: max_context: auto: the weights alone (~{largest / 2**30:.2f} GiB) leave no room "
+            f"for even 256 tokens on {device.name}: compress more or pick a larger device"
+        )
+    trained = config.get("max_position_embeddings")
+    if trained and context > trained:  # more cache than the model has positions for is waste
+        context = int(trained)
+    if context >= NEURAL_ENGINE_STATE_MULTIPLE:  # states the Neural Engine runs (see device_rules)
+        context -= context % NEURAL_ENGINE_STATE_MULTIPLE
+    log.info("max_context: auto -> %d tokens (fits %s)", context, device.name)
+    export = manifest.export.model_copy(update={"max_context": context})
+    return manifest.model_copy(update={"export": export})
+
+
+def hf_name(checked: CheckedInputs) -> str:
+    """The name the Swift client uses to look up the tokenizer (``co.huggingface.exporters.name``)."""
+    from adapterpack.config.manifest import looks_like_hub_id
+
+    if checked.manifest.base.tokenizer:
+        return checked.manifest.base.tokenizer
+    source = checked.manifest.base.path
+    if looks_like_hub_id(source) and not (checked.manifest.folder / source).exists():
+        return source
+    configured = str(checked.base.config.get("_name_or_path") or "")
+    if looks_like_hub_id(configured):
+        return configured
+    return checked.base.folder.name

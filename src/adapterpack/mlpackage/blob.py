@@ -1,0 +1,92 @@
+"""The weight blob of a package (coremltools ``mlmodel/src/MILBlob/Blob/StorageFormat.hpp``): a
+64-byte header, then per record a 64-byte metadata block (sentinel 0xDEADBEEF, data type, size,
+absolute data offset) and its data, each aligned to 64 bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapterpack.errors import BadInput
+
+HEADER_BYTES = 64
+
+
+METADATA_BYTES = 64
+
+
+ALIGNMENT = 64
+
+
+SENTINEL = 0xDEADBEEF
+
+
+# MILBlob BlobDataType (mlmodel/src/MILBlob/Blob/BlobDataType.hpp); values are only ever appended.
+BLOB_DTYPES = {
+    1: "float16", 2: "float32", 3: "uint8", 4: "int8", 5: "bfloat16", 6: "int16", 7: "uint16",
+    8: "int4", 9: "uint1", 10: "uint2", 11: "uint4", 12: "uint3", 13: "uint6", 14: "int32",
+    15: "uint32", 16: "float8e4m3fn", 17: "float8e5m2",
+}
+
+
+@dataclass
+class BlobRecord:
+    """One record of a weight blob file and who reads it."""
+
+    file: str  # path inside the package
+    offset: int  # of the metadata block: what BlobFileValue.offset names
+    data_offset: int
+    size: int  # sizeInBytes: the data only
+    dtype: str
+    overhead: int  # metadata block + alignment padding after the data
+    functions: set[str] = field(default_factory=set)
+    names: set[str] = field(default_factory=set)
+    kind_by_function: dict[str, str] = field(default_factory=dict)
+
+
+def read_blob_records(package: Path, name: str) -> list[BlobRecord]:
+    """Every record of one blob file, checked against the storage format; BadInput when malformed."""
+    path = package / name
+    size = path.stat().st_size
+    records: list[BlobRecord] = []
+    with path.open("rb") as handle:
+        header = handle.read(HEADER_BYTES)
+        if len(header) < HEADER_BYTES:
+            raise BadInput(f"{path}: weight blob shorter than its {HEADER_BYTES}-byte header")
+        count, version = struct.unpack_from("<II", header)
+        if version != 2:
+            raise BadInput(f"{path}: weight blob version {version}, expected 2")
+        position = HEADER_BYTES
+        while position < size:
+            handle.seek(position)
+            metadata = handle.read(METADATA_BYTES)
+            if len(metadata) < METADATA_BYTES:
+                if not metadata.strip(b"\0"):  # zero padding at the end of the file
+                    records[-1].overhead += size - position if records else 0
+                    break
+                raise BadInput(f"{path}: truncated weight record at byte {position}")
+            sentinel, dtype, length, data_offset = struct.unpack_from("<IIQQ", metadata)
+            if sentinel != SENTINEL:
+                raise BadInput(f"{path}: no weight record at byte {position} (sentinel {sentinel:#x})")
+            if data_offset < position + METADATA_BYTES or data_offset + length > size:
+                raise BadInput(
+                    f"{path}: weight record at byte {position} claims data at {data_offset} "
+                    f"(+{length} bytes) outside the file ({size} bytes)"
+                )
+            following = min(-(-(data_offset + length) // ALIGNMENT) * ALIGNMENT, size)
+            records.append(
+                BlobRecord(
+                    file=name,
+                    offset=position,
+                    data_offset=data_offset,
+                    size=length,
+                    dtype=BLOB_DTYPES.get(dtype, f"dtype {dtype}"),
+                    overhead=following - position - length,
+                )
+            )
+            position = following
+    if len(records) != count:
+        raise BadInput(f"{path}: header says {count} weight records, found {len(records)}")
+    return records

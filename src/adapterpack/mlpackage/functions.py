@@ -1,0 +1,92 @@
+"""The functions a package declares: names, inputs, outputs, states and the package metadata,
+read from the spec alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapterpack.errors import BadInput
+from adapterpack.mlpackage.spec import load_spec_file, spec_path
+
+_DTYPES = {65568: "float32", 65552: "float16", 131104: "int32", 65600: "float64"}
+
+
+@dataclass
+class Feature:
+    name: str
+    dtype: str
+    shape: str
+
+
+@dataclass
+class FunctionInfo:
+    name: str
+    inputs: list[Feature] = field(default_factory=list)
+    outputs: list[Feature] = field(default_factory=list)
+    states: list[Feature] = field(default_factory=list)
+
+
+@dataclass
+class PackageFunctions:
+    path: Path
+    functions: list[FunctionInfo]
+    default: str
+    metadata: dict[str, str]
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.functions]
+
+
+def _array_feature(description) -> Feature:
+    kind = description.type.WhichOneof("Type")
+    array = description.type.multiArrayType
+    if kind == "stateType":
+        array = description.type.stateType.arrayType
+    elif kind != "multiArrayType":
+        return Feature(description.name, kind or "?", "")
+    ranges = list(array.shapeRange.sizeRanges)
+    if ranges:
+        dims = [
+            str(r.lowerBound) if r.lowerBound == r.upperBound else f"{r.lowerBound}...{r.upperBound}"
+            for r in ranges
+        ]
+    else:
+        dims = [str(d) for d in array.shape]
+    return Feature(description.name, _DTYPES.get(array.dataType, str(array.dataType)), "(" + ", ".join(dims) + ")")
+
+
+def read_functions(package: str | Path) -> PackageFunctions:
+    """Functions, default function and metadata of a ``.mlpackage`` (or ``.mlmodel``)."""
+    path = Path(package)
+    if not path.exists():
+        raise BadInput(f"{path}: package not found")
+    # The spec alone, read without importing coremltools' converters (and with them torch).
+    spec = load_spec_file(spec_path(path) if path.is_dir() else path)
+    description = spec.description
+    functions: list[FunctionInfo] = []
+    if len(description.functions):
+        for function in description.functions:
+            functions.append(
+                FunctionInfo(
+                    name=function.name,
+                    inputs=[_array_feature(d) for d in function.input],
+                    outputs=[_array_feature(d) for d in function.output],
+                    states=[_array_feature(d) for d in function.state],
+                )
+            )
+        default = description.defaultFunctionName or functions[0].name
+    else:
+        functions.append(
+            FunctionInfo(
+                name="main",
+                inputs=[_array_feature(d) for d in description.input],
+                outputs=[_array_feature(d) for d in description.output],
+                states=[_array_feature(d) for d in description.state],
+            )
+        )
+        default = "main"
+    metadata = dict(description.metadata.userDefined)
+    return PackageFunctions(path=path, functions=functions, default=default, metadata=metadata)

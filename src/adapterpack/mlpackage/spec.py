@@ -1,0 +1,91 @@
+"""The model spec of a package: where it is, parsing it (without importing coremltools'
+converters), and walking its ML Program's operations and values.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from adapterpack.errors import BadInput
+
+MODEL_FOLDER = ("Data", "com.apple.CoreML")
+
+
+SPEC_NAME = "model.mlmodel"
+
+
+MODEL_PATH_PREFIX = "@model_path/"
+
+
+def spec_path(package: Path) -> Path:
+    """The root model spec, as Manifest.json names it (the usual Data/com.apple.CoreML/model.mlmodel)."""
+    default = package.joinpath(*MODEL_FOLDER, SPEC_NAME)
+    manifest = package / "Manifest.json"
+    try:
+        info = json.loads(manifest.read_text())
+        entry = info["itemInfoEntries"][info["rootModelIdentifier"]]
+        named = package / "Data" / entry["path"]
+        if named.is_file():
+            return named
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not default.is_file():
+        raise BadInput(f"{package}: not a Core ML package (no {'/'.join(MODEL_FOLDER)}/{SPEC_NAME})")
+    return default
+
+
+def load_spec_file(spec_path: Path):
+    """A Core ML model spec file, parsed; BadInput naming the file when it is not one."""
+    from adapterpack.quiet import captured_output, import_coreml_proto
+
+    with captured_output():
+        spec = import_coreml_proto().Model_pb2.Model()
+    try:
+        spec.ParseFromString(spec_path.read_bytes())
+    except Exception as error:  # protobuf raises DecodeError, and others for some corruptions
+        raise BadInput(f"{spec_path}: not a readable Core ML model spec ({type(error).__name__}: {error})") from None
+    return spec
+
+
+def function_names_of_spec(spec) -> list[str]:
+    """Functions in the order the package lists them (the description keeps the build order)."""
+    described = [f.name for f in spec.description.functions]
+    program = list(spec.mlProgram.functions.keys())
+    names = [name for name in described if name in spec.mlProgram.functions]
+    names += sorted(name for name in program if name not in names)
+    if not names:
+        raise BadInput("the ML Program has no functions")
+    return names
+
+
+def value_dtype_name(value_type) -> str:
+    from adapterpack.quiet import import_coreml_proto
+
+    return import_coreml_proto().MIL_pb2.DataType.Name(value_type.tensorType.dataType).lower()
+
+
+def value_dims(value_type) -> list[int | None]:
+    return [
+        d.constant.size if d.WhichOneof("dimension") == "constant" else None
+        for d in value_type.tensorType.dimensions
+    ]
+
+
+def walk_ops(block) -> Iterator[Any]:
+    for op in block.operations:
+        yield op
+        for inner in op.blocks:
+            yield from walk_ops(inner)
+
+
+def op_values(op) -> Iterator[tuple[str, Any]]:
+    """(parameter, Value) of every value an op holds: attributes, and inputs bound to values."""
+    for name, value in op.attributes.items():
+        yield name, value
+    for name, argument in op.inputs.items():
+        for binding in argument.arguments:
+            if binding.WhichOneof("binding") == "value":
+                yield name, binding.value

@@ -1,0 +1,96 @@
+"""What a package needs in memory on a device: its heaviest function's weights, every state, and
+the activations of its largest call, against each device's app memory limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adapterpack.report.inspect import PackageReport
+
+
+@dataclass
+class MemoryEstimate:
+    """Run-time memory of the package's heaviest function at its largest call (see devices.py)."""
+
+    function: str
+    weights_bytes: int
+    kv_bytes: int
+    activation_bytes: int  # 0 when the vocabulary or hidden size could not be read
+    activations_known: bool
+
+    @property
+    def need_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.activation_bytes
+
+
+def memory_estimate(report: PackageReport) -> MemoryEstimate | None:
+    """Weights of the heaviest function + its KV-cache + activations of the largest call; None without states.
+
+    Only one function is loaded at a time (``MLModelConfiguration.functionName``), so the weights
+    are those the largest single function references, at their stored (compressed) size.
+    """
+    from adapterpack.config.devices import activation_bytes
+
+    shape = report.shape
+    if shape is None:
+        return None
+    largest = report.largest_function
+    known = shape.vocab is not None and shape.hidden is not None
+    activations = 0
+    if known:
+        heads = shape.n_heads or max(shape.hidden // shape.head_dim, shape.n_kv_heads)
+        activations = activation_bytes(
+            query=shape.max_context,
+            context=shape.max_context,
+            vocab=shape.vocab,
+            hidden=shape.hidden,
+            n_heads=heads,
+            n_kv_heads=shape.n_kv_heads,
+            head_dim=shape.head_dim,
+            intermediate=shape.intermediate,
+        )
+    return MemoryEstimate(
+        function=largest.name,
+        weights_bytes=largest.referenced_bytes,
+        kv_bytes=shape.state_bytes(),
+        activation_bytes=activations,
+        activations_known=known,
+    )
+
+
+def budget_rows(report, estimate, devices) -> list[dict]:
+    """The memory budget per device, with and without the increased-memory-limit entitlement."""
+    from adapterpack.config.devices import largest_context_that_fits, memory_budget
+
+    if estimate is None:
+        return []
+    plain = memory_budget(estimate.weights_bytes, estimate.kv_bytes, estimate.activation_bytes, devices)
+    raised = memory_budget(
+        estimate.weights_bytes, estimate.kv_bytes, estimate.activation_bytes, devices, increased_limit=True
+    )
+    shape = report.shape
+    rows = []
+    for default_row, raised_row in zip(plain, raised):
+        dev = default_row.device
+        context = None
+        if estimate.activations_known:
+            context = largest_context_that_fits(
+                dev, estimate.weights_bytes, shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.vocab,
+                shape.hidden, n_heads=shape.n_heads, intermediate=shape.intermediate,
+            )
+        rows.append({
+            "device": dev.key,
+            "name": dev.name,
+            "ram_bytes": dev.ram_bytes,
+            "limit_bytes": default_row.limit,
+            "fits": default_row.fits,
+            "headroom_bytes": default_row.headroom,
+            "increased_limit_bytes": dev.increased_limit_bytes,
+            "fits_increased": raised_row.fits if dev.increased_limit_bytes is not None else None,
+            "headroom_increased_bytes": raised_row.headroom if dev.increased_limit_bytes is not None else None,
+            "largest_context": context,
+            "estimate": dev.estimate,
+            "source": dev.source,
+        })
+    return rows

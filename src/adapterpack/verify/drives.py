@@ -1,0 +1,56 @@
+"""How real clients call a function: the seeded token sequence, and the two calling conventions
+(swift-transformers' ``tokenCount + 1`` zeros, Apple's Python past + q) run prefill then decode.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from adapterpack.config.manifest import VerifySettings
+
+log = logging.getLogger(__name__)
+
+
+def verification_tokens(vocab_size: int, settings: VerifySettings) -> np.ndarray:
+    """The fixed, seeded token sequence every function is checked on."""
+    rng = np.random.default_rng(settings.seed)
+    return rng.integers(0, vocab_size, size=settings.prefill + settings.decode_steps, dtype=np.int64)
+
+
+# How real clients call a function (see export_decoder): each drive is a prefill of the first
+# tokens, then one call per further token through the same state.
+DRIVES = ("swift", "python")
+
+
+def _drive_masks(drive: str, past: int, q: int) -> np.ndarray:
+    """The ``causalMask`` a client of style ``drive`` sends for ``q`` new tokens after ``past``.
+
+    ``swift``: swift-transformers' ``LanguageModelWithStatefulKVCache`` sends zeros of shape
+    (1, 1, 1, tokenCount + 1), tokenCount being every token of the sequence so far, this call's
+    included, for the prefill and for each decode step alike.
+    ``python``: Apple's Python examples send width past + q: a full additive causal mask
+    (1, 1, q, past + q) for the prefill and zeros for each single-token step.
+    """
+    if drive == "swift":
+        return np.zeros((1, 1, 1, past + q + 1), dtype=np.float16)
+    if q == 1:
+        return np.zeros((1, 1, 1, past + 1), dtype=np.float16)
+    future = np.triu(np.ones((q, past + q), dtype=bool), k=past + 1)
+    return np.where(future, np.float16(-np.inf), np.float16(0))[None, None]
+
+
+def run_drive(predict, tokens: np.ndarray, prefill: int, drive: str) -> np.ndarray:
+    """Prefill then decode one token at a time as a ``drive`` client does; logits (tokens, vocab).
+
+    Every row of the prefill is kept (the Swift client reads only its last), then the one row of
+    each decode step.
+    """
+    outputs = []
+    first = tokens[:prefill].astype(np.int32)[None, :]
+    outputs.append(predict(first, _drive_masks(drive, 0, prefill)))
+    for end in range(prefill + 1, len(tokens) + 1):
+        step = tokens[end - 1 : end].astype(np.int32)[None, :]
+        outputs.append(predict(step, _drive_masks(drive, end - 1, 1)))
+    return np.concatenate([o.reshape(1, -1, o.shape[-1]) for o in outputs], axis=1)[0].astype(np.float32)

@@ -1,0 +1,530 @@
+"""Run a Core ML ML Program on the CPU with numpy, so numerics can be checked without Core ML.
+
+Linux has no Core ML runtime: ``MLModel.predict`` is unavailable there, yet CI must verify that
+the packages adapterpack writes (stateful KV-cache decoders, palettized / quantized / pruned
+weights, several functions in one multifunction ``.mlpackage``) compute what the PyTorch model
+computes. This module reads the package's MIL program with coremltools' own milproto loader and
+interprets it op by op.
+
+Every op is implemented here in numpy instead of relying on coremltools' ``value_inference``:
+those are written for constant folding at conversion time, assume concrete shapes (symbolic
+``RangeDim`` dims break ``reshape``/``expand_dims``), do not cover the state ops, and return
+numpy-2 scalars that some reductions reject. The program's declared types are still used: each
+op's result is cast to the dtype its output var declares, so a float16 program is evaluated in
+float16 the way Core ML would run it (see ``_f32`` for where we deliberately widen).
+
+Loading checks that every op of every function is supported (``UnsupportedOp`` otherwise, naming
+the op type and the function). Each function is then compiled once, on first use: everything
+that depends only on constants -- ``const``, the ``constexpr_*`` decompression ops and whatever
+is computed from them -- is evaluated at that point, so repeated ``predict`` calls only run the
+input-dependent ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapterpack.verify.executor import constexpr, elementwise, linalg, shape_ops  # noqa: F401  (importing them registers their ops)
+from adapterpack.verify.executor.registry import (
+    _OPS,
+    _STATE_OPS,
+    Args,
+    DeclaredTypeMismatch,
+    Handler,
+    UnsupportedOp,
+)
+
+SUPPORTED_OPS: frozenset[str] = frozenset(_OPS) | {"const"} | _STATE_OPS
+
+
+# --------------------------------------------------------------------------- interpreter
+
+_READ, _WRITE, _CALL = 0, 1, 2
+
+
+@dataclass
+class _Step:
+    kind: int
+    op_type: str
+    label: str  # first output name, for error messages
+    fn: Handler | None
+    args: tuple[tuple[str, int | tuple[int, ...]], ...]
+    outs: tuple[int, ...]
+    dtypes: tuple[Any, ...]
+    state: str = ""
+    declared: tuple[_Declared | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """The type a program declares for one value: dtype, rank and dims (None where symbolic)."""
+
+    dtype: Any  # numpy dtype, or None when the declaration is not a plain tensor type
+    dims: tuple[int | None, ...]
+
+    def describe(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in self.dims)
+        return f"{self.dtype} rank {len(self.dims)} ({dims})"
+
+    def mismatch(self, value: np.ndarray) -> str | None:
+        """Why ``value`` does not fit this declaration, or None when it does."""
+        if len(value.shape) != len(self.dims) or any(
+            want is not None and want != got for want, got in zip(self.dims, value.shape)
+        ):
+            return "shape"
+        # The interpreter widens float16 to float32 inside fused kernels (see ``_f32``), so a
+        # float is checked as a float, an integer as an integer and a bool as a bool.
+        if self.dtype is not None and _dtype_family(value.dtype) != _dtype_family(self.dtype):
+            return "dtype"
+        return None
+
+
+def _dtype_family(dtype: Any) -> str:
+    kind = np.dtype(dtype).kind
+    return {"f": "float", "i": "integer", "u": "integer", "b": "bool"}.get(kind, kind)
+
+
+# MIL proto data types -> numpy (the ones a tensor value of a program can have).
+_PROTO_DTYPES = {
+    "FLOAT16": np.float16, "FLOAT32": np.float32, "FLOAT64": np.float64, "BOOL": np.bool_,
+    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
+    "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+}
+
+
+def _declared_in_spec(spec: Any, functions: Sequence[str]) -> dict[str, dict[str, _Declared]]:
+    """{function: {value name: declared type}} as the saved program states them: the device
+    compiles these, not the types coremltools infers again when it loads the program."""
+    from coremltools.proto import MIL_pb2
+
+    declared: dict[str, dict[str, _Declared]] = {}
+    for name in functions:
+        function = spec.mlProgram.functions[name]
+        block = function.block_specializations[function.opset]
+        found: dict[str, _Declared] = {}
+        for op in block.operations:
+            for output in op.outputs:
+                if output.type.WhichOneof("type") != "tensorType":
+                    continue
+                tensor = output.type.tensorType
+                dims = tuple(
+                    int(d.constant.size) if d.WhichOneof("dimension") == "constant" else None
+                    for d in tensor.dimensions
+                )
+                if len(dims) != tensor.rank:  # a rank without dimensions: nothing to compare but the rank
+                    dims = (None,) * tensor.rank
+                dtype = _PROTO_DTYPES.get(MIL_pb2.DataType.Name(tensor.dataType))
+                found[output.name] = _Declared(np.dtype(dtype) if dtype is not None else None, dims)
+        declared[name] = found
+    return declared
+
+
+def _declared_of_var(var: Any) -> _Declared | None:
+    """The declared type of a var of an in-memory program (no saved spec to read)."""
+    from coremltools.converters.mil.mil import types
+
+    if not types.is_tensor(var.sym_type) and not types.is_scalar(var.sym_type):
+        return None
+    dims = tuple(d if isinstance(d, (int, np.integer)) else None for d in var.shape)
+    return _Declared(_declared_dtype(var), dims)
+
+
+@dataclass
+class _InputSpec:
+    name: str
+    slot: int
+    dtype: Any
+    shape: tuple[int | None, ...]  # None for a flexible (RangeDim) dim
+
+
+@dataclass
+class _Compiled:
+    steps: list[_Step]
+    env: list[Any]
+    inputs: list[_InputSpec]
+    states: dict[str, tuple[tuple[int, ...], Any]]
+    state_slots: dict[int, str]
+    outputs: list[tuple[str, int]] = field(default_factory=list)
+
+
+def _declared_dtype(var: Any) -> Any:
+    from coremltools.converters.mil.mil import types
+
+    try:
+        if types.is_str(var.dtype):
+            return None
+        return np.dtype(types.nptype_from_builtin(var.dtype))
+    except Exception:  # list / tuple types, unknown builtins: leave the result as computed
+        return None
+
+
+def _concrete_shape(shape: Sequence[Any]) -> tuple[int | None, ...]:
+    return tuple(d if isinstance(d, (int, np.integer)) else None for d in shape)
+
+
+def _const_value(var: Any) -> Any:
+    val = var.val
+    if isinstance(val, str):
+        return val
+    arr = np.asarray(val)
+    dtype = _declared_dtype(var)
+    return arr.astype(dtype) if dtype is not None and arr.dtype != dtype else arr
+
+
+def _label(op: Any) -> str:
+    return op.outputs[0].name if op.outputs else op.name
+
+
+def _check_supported(op: Any, function: str) -> None:
+    """Raise ``UnsupportedOp`` for an op (or op parameter) the interpreter cannot run."""
+    where = f"op type {op.op_type!r} ({_label(op)!r}) in function {function!r}"
+    if op.blocks:
+        raise UnsupportedOp(f"{where}: control flow is not supported by the numpy executor")
+    if op.op_type == "const" or op.op_type in _STATE_OPS:
+        return
+    impl = _OPS.get(op.op_type)
+    if impl is None:
+        raise UnsupportedOp(f"{where} is not supported by the numpy executor")
+    unknown = set(op.inputs) - impl.params
+    if unknown:
+        raise UnsupportedOp(f"{where} has parameters {sorted(unknown)} the numpy executor does not interpret")
+
+
+def _program_spec(path: str):
+    """The model spec of a package, which must hold an ML Program."""
+    import coremltools as ct
+
+    spec = ct.utils.load_spec(path)
+    if spec.WhichOneof("Type") != "mlProgram":
+        raise ValueError(f"{path} is not an ML Program (found {spec.WhichOneof('Type')!r})")
+    return spec
+
+
+# float32 copies of float16 matmul weights made ahead of time (see ``_widen_static_operands``).
+WIDEN_BUDGET_BYTES = 1 << 30
+
+
+class ProgramExecutor:
+    """numpy interpreter for the ML Program functions of one ``.mlpackage``."""
+
+    def __init__(
+        self,
+        program: Any,
+        default_function: str | None = None,
+        declared: dict[str, dict[str, _Declared]] | None = None,
+    ) -> None:
+        self._program = program
+        # Declared types from the saved spec (``load``); without one, the program's own var types.
+        self._declared = declared or {}
+        names = list(program.functions)
+        if default_function not in names:
+            default_function = "main" if "main" in names else names[0]
+        self._default = default_function
+        self._compiled: dict[str, _Compiled] = {}
+        # Fail at load time, before any work: callers decide up front whether this package can
+        # be checked here at all.
+        for name, func in program.functions.items():
+            for op in func.operations:
+                _check_supported(op, name)
+
+    @classmethod
+    def load(cls, package_path: str | Path, functions: Sequence[str] | None = None) -> ProgramExecutor:
+        """Load the MIL program of an ``.mlpackage``: all functions, or only ``functions``
+        (only their weights are read: one function of a 1B model instead of all of them)."""
+        from coremltools.converters.mil.frontend.milproto.load import (
+            load as load_milproto,
+        )
+        from coremltools.models.utils import _try_get_weights_dir_path
+
+        path = str(package_path)
+        spec = _program_spec(path)
+        if functions is not None:
+            missing = set(functions) - set(spec.mlProgram.functions)
+            if missing:
+                raise KeyError(f"no function {sorted(missing)} in {path}; it has {sorted(spec.mlProgram.functions)}")
+            for name in list(spec.mlProgram.functions):
+                if name not in functions:
+                    del spec.mlProgram.functions[name]
+            kept = [f for f in spec.description.functions if f.name in functions]
+            del spec.description.functions[:]
+            spec.description.functions.extend(kept)
+            if kept and spec.description.defaultFunctionName not in functions:
+                spec.description.defaultFunctionName = functions[0]
+        weights_dir = _try_get_weights_dir_path(path) or str(Path(path) / "Data" / "com.apple.CoreML" / "weights")
+        declared = _declared_in_spec(spec, list(spec.mlProgram.functions))
+        try:
+            program = load_milproto(spec, spec.specificationVersion, file_weights_dir=weights_dir)
+        except AssertionError as error:
+            # coremltools infers every op's type again while loading and asserts it equals the saved one.
+            if "var types" not in str(error):
+                raise
+            raise DeclaredTypeMismatch(
+                f"{path}: function(s) {', '.join(spec.mlProgram.functions)}: the saved program declares types "
+                f"that coremltools' own type inference does not give ({error})"
+            ) from None
+        return cls(program, spec.description.defaultFunctionName or None, declared)
+
+    @staticmethod
+    def function_names_of(package_path: str | Path) -> list[str]:
+        """The functions of a package, from its spec alone (no weights read)."""
+        return list(_program_spec(str(package_path)).mlProgram.functions)
+
+    @property
+    def function_names(self) -> list[str]:
+        return list(self._program.functions)
+
+    @property
+    def default_function(self) -> str:
+        return self._default
+
+    def _function(self, function: str | None) -> tuple[str, Any]:
+        name = function or self._default
+        if name not in self._program.functions:
+            raise KeyError(f"no function {name!r}; the package has {self.function_names}")
+        return name, self._program.functions[name]
+
+    def op_types(self, function: str | None = None) -> set[str]:
+        """Op types used by ``function`` (default function when None), nested blocks included."""
+        _, func = self._function(function)
+        found: set[str] = set()
+
+        def walk(block: Any) -> None:
+            for op in block.operations:
+                found.add(op.op_type)
+                for inner in op.blocks:
+                    walk(inner)
+
+        walk(func)
+        return found
+
+    def make_state(self, function: str | None = None) -> dict[str, np.ndarray]:
+        """Fresh zero-filled state arrays for ``function``, keyed by state name."""
+        compiled = self._compile(function)
+        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in compiled.states.items()}
+
+    def predict(
+        self,
+        inputs: dict[str, np.ndarray],
+        state: dict[str, np.ndarray] | None = None,
+        function: str | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run ``function`` on ``inputs``; ``state`` arrays are overwritten with the new state."""
+        name, _ = self._function(function)
+        compiled = self._compile(name)
+        if state is None:
+            state = self.make_state(name)
+        missing = set(compiled.states) - set(state)
+        if missing:
+            raise KeyError(f"state for function {name!r} lacks {sorted(missing)}")
+
+        env = list(compiled.env)
+        for spec in compiled.inputs:
+            if spec.name not in inputs:
+                raise KeyError(f"function {name!r} needs input {spec.name!r}")
+            env[spec.slot] = self._check_input(name, spec, inputs[spec.name])
+
+        live: dict[str, np.ndarray] = {}
+        for key, (shape, dtype) in compiled.states.items():
+            live[key] = np.asarray(state[key]).astype(dtype, copy=False)
+            if live[key].shape != shape:
+                raise ValueError(f"state {key!r} of function {name!r} has shape {live[key].shape}, expected {shape}")
+        written: set[str] = set()
+        for step in compiled.steps:
+            if step.kind == _READ:
+                env[step.outs[0]] = live[step.state]
+                continue
+            if step.kind == _WRITE:
+                value = np.asarray(env[step.args[0][1]])  # type: ignore[index]
+                shape, dtype = compiled.states[step.state]
+                if value.shape != shape:  # Core ML writes a state whole: the shapes must agree
+                    raise DeclaredTypeMismatch(
+                        f"function {name!r}: {step.op_type!r} -> {step.label!r} writes {value.shape} "
+                        f"into state {step.state!r} of shape {shape}"
+                    )
+                value = value.astype(dtype, copy=False)
+                live[step.state] = value
+                written.add(step.state)
+                env[step.outs[0]] = value
+                continue
+            self._run_step(step, env, name)
+
+        for key in written:
+            if state[key].shape == live[key].shape and state[key].dtype == live[key].dtype:
+                np.copyto(state[key], live[key])  # keep the caller's arrays
+            else:
+                state[key] = np.array(live[key])
+        return {out_name: np.asarray(env[slot]) for out_name, slot in compiled.outputs}
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _check_input(function: str, spec: _InputSpec, value: Any) -> np.ndarray:
+        arr = np.asarray(value)
+        if len(arr.shape) != len(spec.shape) or any(
+            want is not None and want != got for want, got in zip(spec.shape, arr.shape)
+        ):
+            shown = tuple("?" if d is None else d for d in spec.shape)
+            raise ValueError(
+                f"input {spec.name!r} of function {function!r} has shape {arr.shape}, expected {shown}"
+            )
+        return arr.astype(spec.dtype, copy=False) if spec.dtype is not None else arr
+
+    @staticmethod
+    def _run_step(step: _Step, env: list[Any], function: str) -> None:
+        args: Args = {}
+        for param, ref in step.args:
+            args[param] = [env[i] for i in ref] if isinstance(ref, tuple) else env[ref]
+        try:
+            result = step.fn(args)  # type: ignore[misc]
+        except UnsupportedOp as exc:
+            raise UnsupportedOp(f"{exc} (op {step.op_type!r} -> {step.label!r} in function {function!r})") from None
+        except Exception as exc:
+            exc.add_note(f"while running op {step.op_type!r} -> {step.label!r} in function {function!r}")
+            raise
+        results = result if len(step.outs) > 1 else (result,)
+        for index, (slot, value, dtype) in enumerate(zip(step.outs, results, step.dtypes)):
+            value = np.asarray(value)
+            declared = step.declared[index] if index < len(step.declared) else None
+            if declared is not None and declared.mismatch(value) is not None:
+                raise DeclaredTypeMismatch(
+                    f"function {function!r}: op {step.op_type!r} -> {step.label!r} declares "
+                    f"{declared.describe()} but computes {value.dtype} rank {value.ndim} {tuple(value.shape)}"
+                )
+            if dtype is not None and value.dtype != dtype:
+                value = value.astype(dtype)
+            env[slot] = value
+
+    def _compile(self, function: str | None) -> _Compiled:
+        """Resolve slots, fold every constant-only op (constexpr included) once, and cache."""
+        from coremltools.converters.mil.mil import types
+
+        name, func = self._function(function)
+        if name in self._compiled:
+            return self._compiled[name]
+
+        slots: dict[int, int] = {}
+        env: list[Any] = []
+        static: set[int] = set()
+
+        def slot_of(var: Any) -> int:
+            key = id(var)
+            if key not in slots:
+                slots[key] = len(env)
+                env.append(None)
+            return slots[key]
+
+        inputs: list[_InputSpec] = []
+        states: dict[str, tuple[tuple[int, ...], Any]] = {}
+        state_slots: dict[int, str] = {}
+        for in_name, var in func.inputs.items():
+            slot = slot_of(var)
+            if types.is_state(var.sym_type):
+                wrapped = var.sym_type.wrapped_type()
+                dtype = np.dtype(types.nptype_from_builtin(wrapped.get_primitive()))
+                states[in_name] = (tuple(int(d) for d in wrapped.get_shape()), dtype)
+                state_slots[slot] = in_name
+            else:
+                inputs.append(_InputSpec(in_name, slot, _declared_dtype(var), _concrete_shape(var.shape)))
+
+        in_spec = self._declared.get(name)
+
+        def declared_of(var: Any) -> _Declared | None:
+            if in_spec is not None:
+                return in_spec.get(var.name)
+            return _declared_of_var(var)
+
+        steps: list[_Step] = []
+        for op in func.operations:
+            label = _label(op)
+            _check_supported(op, name)
+            if op.op_type == "const":
+                slot = slot_of(op.outputs[0])
+                env[slot] = _const_value(op.outputs[0])
+                static.add(slot)
+                continue
+            if op.op_type in _STATE_OPS:
+                state_var = op.inputs["input"] if op.op_type == "read_state" else op.inputs["state"]
+                state_name = state_slots.get(slots.get(id(state_var), -1))
+                if state_name is None:
+                    raise UnsupportedOp(f"{op.op_type} ({label!r}) in function {name!r} does not act on a state input")
+                args: tuple[tuple[str, Any], ...] = ()
+                if op.op_type == "coreml_update_state":
+                    args = (("value", slot_of(op.inputs["value"])),)
+                kind = _READ if op.op_type == "read_state" else _WRITE
+                declared = declared_of(op.outputs[0])
+                state_shape, state_dtype = states[state_name]
+                if declared is not None and declared.mismatch(np.empty(state_shape, state_dtype)) is not None:
+                    raise DeclaredTypeMismatch(
+                        f"function {name!r}: op {op.op_type!r} -> {label!r} declares {declared.describe()} "
+                        f"for state {state_name!r} of {state_dtype} {state_shape}"
+                    )
+                steps.append(_Step(kind, op.op_type, label, None, args, (slot_of(op.outputs[0]),), (None,), state_name))
+                continue
+            impl = _OPS[op.op_type]
+            arg_list: list[tuple[str, Any]] = []
+            for param, value in op.inputs.items():
+                if isinstance(value, (list, tuple)):
+                    arg_list.append((param, tuple(slot_of(v) for v in value)))
+                else:
+                    arg_list.append((param, slot_of(value)))
+            step = _Step(
+                _CALL,
+                op.op_type,
+                label,
+                impl.fn,
+                tuple(arg_list),
+                tuple(slot_of(o) for o in op.outputs),
+                tuple(_declared_dtype(o) for o in op.outputs),
+                declared=tuple(declared_of(o) for o in op.outputs),
+            )
+            refs = [r for _, ref in arg_list for r in (ref if isinstance(ref, tuple) else (ref,))]
+            if all(r in static for r in refs):
+                # Depends on constants only (constexpr decompression, casts of weights, shape
+                # arithmetic on constants): evaluate once here instead of on every call.
+                self._run_step(step, env, name)
+                static.update(step.outs)
+            else:
+                steps.append(step)
+
+        outputs = [(var.name, slot_of(var)) for var in func.outputs]
+        self._widen_static_operands(steps, env, static)
+
+        # Drop folded intermediates nobody reads at run time (e.g. the compressed blobs).
+        needed = {r for s in steps for _, ref in s.args for r in (ref if isinstance(ref, tuple) else (ref,))}
+        needed |= {slot for _, slot in outputs}
+        env = [v if (i in needed or i not in static) else None for i, v in enumerate(env)]
+
+        compiled = _Compiled(steps, env, inputs, states, state_slots, outputs)
+        self._compiled[name] = compiled
+        return compiled
+
+    @staticmethod
+    def _widen_static_operands(steps: list[_Step], env: list[Any], static: set[int]) -> None:
+        """Pre-convert float16 constant matmul operands to float32 once, up to a memory budget.
+
+        linear/matmul widen their operands anyway (see ``_f32``, exact for float16), so the
+        result is the same either way; doing it for the weights here keeps that per-call
+        conversion off the hot path. Past ``WIDEN_BUDGET_BYTES`` of float32 copies (a 1B model's
+        would be 5 GB) the weights stay float16 and are widened per call.
+        """
+        widened: dict[int, int] = {}
+        spent = 0
+        for step in steps:
+            if step.op_type not in ("linear", "matmul"):
+                continue
+            new_args = []
+            for param, ref in step.args:
+                if isinstance(ref, int) and ref in static and getattr(env[ref], "dtype", None) == np.float16:
+                    if ref not in widened and spent + env[ref].size * 4 <= WIDEN_BUDGET_BYTES:
+                        widened[ref] = len(env)
+                        env.append(env[ref].astype(np.float32))
+                        static.add(widened[ref])
+                        spent += env[ref].size * 4
+                    ref = widened.get(ref, ref)
+                new_args.append((param, ref))
+            step.args = tuple(new_args)

@@ -1,0 +1,134 @@
+"""Verify every function of a package against its PyTorch reference: the float32 base with the
+adapter applied by peft and NOT merged, each function driven the way real clients call it, every
+failure collected into one report.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from adapterpack.config.manifest import Manifest
+from adapterpack.errors import BadInput
+from adapterpack.mlpackage.metadata import weights_digest
+from adapterpack.verify.executor import DeclaredTypeMismatch
+from adapterpack.verify.metrics import compare_logits, retention
+from adapterpack.verify.reference import reference_logits
+from adapterpack.verify.reports import FunctionReport, VerifyReport
+from adapterpack.verify.runners import Backend, coreml_runner, numpy_runner
+
+log = logging.getLogger(__name__)
+
+
+def verify_package(
+    package: str | Path,
+    manifest: Manifest,
+    *,
+    backend: Backend = "numpy",
+    checked=None,
+    reuse: dict[str, FunctionReport] | None = None,
+) -> VerifyReport:
+    """Run every function of ``package`` against its PyTorch reference; never raises on a mismatch.
+
+    ``checked`` (pipeline.CheckedInputs) avoids re-validating inputs when called from a build.
+    ``reuse`` holds passing reports of functions whose parts (inputs, settings, versions) are
+    unchanged since a build verified them; those are not run again. The integrity checks
+    always run.
+    """
+    from adapterpack.inputs.checked import check_inputs
+    from adapterpack.mlpackage.functions import read_functions
+
+    package = Path(package)
+    listing = read_functions(package)
+    checked = checked or check_inputs(manifest)
+    manifest = checked.manifest
+    settings = manifest.verify
+    report = VerifyReport(package=package, backend=backend, functions=[])
+
+    expected = manifest.function_names
+    if sorted(listing.names) != sorted(expected):
+        report.integrity.append(
+            f"package functions {listing.names} differ from the manifest's {expected}"
+        )
+        return report
+    recorded = listing.metadata.get("co.adapterpack.weightsSha256")
+    if recorded and recorded != weights_digest(package):
+        report.integrity.append("weight blob differs from the one written at build time (file altered?)")
+
+    reuse = reuse or {}
+    if all(name in reuse for name in expected):
+        report.functions = [reuse[name] for name in expected]
+        return report
+    try:
+        run, _ = coreml_runner(package) if backend == "coreml" else numpy_runner(package)
+    except BadInput:
+        raise
+    except Exception as error:  # a damaged package fails verification rather than crashing it
+        report.integrity.append(f"package cannot be loaded: {type(error).__name__}: {error}")
+        return report
+    # All PyTorch references first, then the torch base goes, and each function runs alone:
+    # at no point does a float32 base share memory with a function's weights.
+    import gc
+
+    tokens, base_reference, references = reference_logits(checked, [n for n in expected if n not in reuse])
+    prefill = min(settings.prefill, len(tokens))
+    gc.collect()
+
+    for name in expected:
+        if name in reuse:
+            report.functions.append(reuse[name])
+            continue
+        adapter = manifest.adapter(name)
+        compression = manifest.compression_for(name)
+        thresholds = settings.thresholds_for(compression)
+        reference = references.get(name, base_reference)
+        try:
+            got = run(name, tokens, prefill)
+        except BadInput:
+            raise
+        except DeclaredTypeMismatch as error:
+            report.integrity.append(f"function {name}: the program's declared types are not what its ops compute: {error}")
+            continue
+        except Exception as error:  # a damaged function fails verification rather than crashing it
+            report.integrity.append(f"function {name} cannot be run: {type(error).__name__}: {error}")
+            continue
+        by_drive = {drive: compare_logits(logits, reference) for drive, logits in got.items()}
+        worst = min(by_drive, key=lambda drive: (by_drive[drive]["cosine"], by_drive[drive]["top1"]))
+        metrics = by_drive[worst]
+        function_report = FunctionReport(
+            name=name,
+            compression=compression.describe(),
+            retention=None,
+            adapter_effect=None,
+            thresholds=thresholds,
+            drive=worst,
+            **metrics,
+        )
+        # Thresholds hold for every drive, not only the reported one.
+        for drive, figures in by_drive.items():
+            label = f" ({drive} drive)" if len(by_drive) > 1 else ""
+            if figures["top1"] < thresholds["top1"]:
+                function_report.failures.append(f"top-1 {figures['top1']:.1%} < {thresholds['top1']:.1%}{label}")
+            if figures["cosine"] < thresholds["cosine"]:
+                function_report.failures.append(f"cosine {figures['cosine']:.4f} < {thresholds['cosine']}{label}")
+        if adapter is not None:
+            for drive, logits in got.items():
+                kept, effect = retention(logits, reference, base_reference)
+                by_drive[drive]["retention"] = kept
+                if function_report.retention is None or kept < function_report.retention:
+                    function_report.retention, function_report.adapter_effect = kept, effect
+            kept = function_report.retention
+            if kept < thresholds["retention"]:
+                remedy = (
+                    "keep the adapter unfused (lora: keep) or use more bits for its target modules"
+                    if manifest.lora_mode(name) == "fuse"
+                    else "use more bits for this function's compression"
+                )
+                function_report.failures.append(
+                    f"adapter not retained: retention {kept:.2f} < {thresholds['retention']} (compression "
+                    f"washed out the adapter's effect); {remedy}"
+                )
+        function_report.by_drive = by_drive
+        report.functions.append(function_report)
+        gc.collect()
+    return report

@@ -1,0 +1,77 @@
+"""Verification reports: per function (metrics, thresholds, failures, the drive reported) and
+per package, with the format version that keys cached verdicts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FunctionReport:
+    name: str
+    compression: str
+    cosine: float
+    max_abs_error: float
+    top1: float
+    kl: float
+    retention: float | None  # None for the base function
+    adapter_effect: float | None  # relative size of the adapter's effect on the logits
+    thresholds: dict[str, float]
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    drive: str = ""  # the calling convention whose figures are reported (the worse one)
+    by_drive: dict[str, dict[str, float]] = field(default_factory=dict)  # every drive's metrics
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class VerifyReport:
+    package: Path
+    backend: str
+    functions: list[FunctionReport]
+    integrity: list[str] = field(default_factory=list)  # problems found without running anything
+
+    @property
+    def passed(self) -> bool:
+        return not self.integrity and all(f.passed for f in self.functions)
+
+    def verdict(self) -> str:
+        failed = [f.name for f in self.functions if not f.passed]
+        if self.passed:
+            return f"verify: PASS: {len(self.functions)} function(s) match their PyTorch reference ({self.backend} backend)"
+        reasons = list(self.integrity) + [f"{f.name}: {'; '.join(f.failures)}" for f in self.functions if not f.passed]
+        return f"verify: FAIL: {', '.join(failed) or 'package'}: " + " | ".join(reasons)
+
+    def as_json(self) -> dict:
+        return {
+            "package": str(self.package),
+            "backend": self.backend,
+            "passed": self.passed,
+            "integrity": self.integrity,
+            "functions": [
+                {k: v for k, v in vars(f).items()} | {"passed": f.passed} for f in self.functions
+            ],
+        }
+
+
+# Bump when what verification computes changes, so verdicts cached by an older version are not reused.
+VERIFY_FORMAT = 2
+
+
+REUSED_NOTE = "unchanged since a build verified it (build cache)"
+
+
+def function_report_from_json(data: dict) -> FunctionReport:
+    known = set(FunctionReport.__dataclass_fields__)
+    report = FunctionReport(**{k: v for k, v in data.items() if k in known})
+    if REUSED_NOTE not in report.notes:
+        report.notes.append(REUSED_NOTE)
+    return report
