@@ -88,7 +88,8 @@ from pathlib import Path
 import numpy as np, torch
 sys.path.insert(0, sys.argv[3])
 from adapterpack.quiet import captured_output
-from adapterpack.export_decoder import ExportDecoder
+from adapterpack.convert.export_decoder import ExportDecoder
+from adapterpack.convert.coreml import STATE_NAMES
 sys.path.insert(0, sys.argv[4])
 from palettize_throughput import install_kmeans1d_shim
 with captured_output():
@@ -117,7 +118,7 @@ for name in names:
         ml = ct.convert(traced, inputs=[ct.TensorType("inputIds", shape=(1, rng), dtype=np.int32),
             ct.TensorType("causalMask", shape=(1, 1, ct.RangeDim(1, 256, default=1), ct.RangeDim(1, 256, default=1)), dtype=np.float16)],
             outputs=[ct.TensorType("logits", dtype=np.float16)],
-            states=[ct.StateType(wrapped_type=ct.TensorType(shape=decoder.keyCache.shape, dtype=np.float16), name=n) for n in ("keyCache", "valueCache")],
+            states=[ct.StateType(wrapped_type=ct.TensorType(shape=getattr(decoder, n).shape, dtype=np.float16), name=n) for n in STATE_NAMES],
             minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT16, skip_model_load=True)
         del traced, decoder, model; gc.collect()
     print(f"baseline {name} converted at {time.time() - started:.0f} s, palettizing", flush=True)

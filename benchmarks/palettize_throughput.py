@@ -103,7 +103,7 @@ def main() -> None:
     ct = coremltools_with_sklearn()
     from coremltools.optimize import coreml as cto
 
-    from adapterpack.compress.model import clear_palette_memo, compress_model
+    from adapterpack.compress.model import compress_model
     from adapterpack.config.manifest import Compression
 
     install_kmeans1d_shim()
@@ -117,13 +117,11 @@ def main() -> None:
         baseline = cto.palettize_weights(model, config=config)
     baseline_seconds = time.perf_counter() - started
 
-    clear_palette_memo()
     model, _ = make_model(args.layers, args.size)
     started = time.perf_counter()
     ours = compress_model(model, Compression(method="palettize", nbits=4, granularity="per_grouped_channel",
                                              group_size=16, keep_float16=()))
     ours_seconds = time.perf_counter() - started
-    clear_palette_memo()
 
     # Determinism: the same weights must give the same palettes, run to run.
     model_again, _ = make_model(args.layers, args.size)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from adapterpack.build.pipeline import build
+from adapterpack.build.records import BuildOptions
 from adapterpack.verify.executor import ProgramExecutor
 from factories import FAMILY_ADAPTERS, make_adapter, make_base
 
@@ -73,7 +74,7 @@ def test_compressed_packages_run_and_their_ops_are_tested(tmp_path, compression,
         f"export: {{max_context: 16}}\ncompression: {compression}\n"
         "lora_compression: {method: linear, nbits: 8, granularity: per_channel}\n"
     )
-    result = build(tmp_path / "m.yaml", output=tmp_path / "c.mlpackage", verify=False)
+    result = build(tmp_path / "m.yaml", output=tmp_path / "c.mlpackage", options=BuildOptions(verify=False))
     executor = ProgramExecutor.load(result.output)
     constexprs = set()
     for function in executor.function_names:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adapterpack.build.records import BuildOptions
 from factories import make_adapter, make_base
 
 CLI = [sys.executable, "-m", "adapterpack"]
@@ -95,7 +96,7 @@ def test_package_is_deduplicated(project, tmp_path):
     """Shared weights are stored once: the package is smaller than its functions built alone."""
     from adapterpack.build.pipeline import build
 
-    result = build(project / "tiny.yaml", output=tmp_path / "dedup.mlpackage", verify=False)
+    result = build(project / "tiny.yaml", output=tmp_path / "dedup.mlpackage", options=BuildOptions(verify=False))
     alone = sum(result.part_sizes.values())
     assert len(result.part_sizes) == 3
     # chat and code each change only part of the weights; the embeddings, the untouched layers

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from adapterpack.build.pipeline import build
+from adapterpack.build.records import BuildOptions
 from adapterpack.verify.executor import ProgramExecutor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,7 +20,7 @@ DEMO = REPO / "manifests" / "demo.yaml"
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    return build(DEMO, output=out / "demo.mlpackage", cache_dir=out / "cache")
+    return build(DEMO, output=out / "demo.mlpackage", options=BuildOptions(cache_dir=out / "cache"))
 
 
 def test_demo_builds_verifies_and_deduplicates(demo):
@@ -91,7 +92,7 @@ def test_demo_float16_matches_torch(tmp_path):
     manifest = REPO / "manifests" / ".demo-float16.yaml"  # beside demo.yaml: its paths are relative
     manifest.write_text(yaml.safe_dump(data))
     try:
-        result = build(manifest, output=tmp_path / "f16.mlpackage", cache_dir=tmp_path / "cache")
+        result = build(manifest, output=tmp_path / "f16.mlpackage", options=BuildOptions(cache_dir=tmp_path / "cache"))
     finally:
         manifest.unlink()
     for function in result.verify_report.functions:
@@ -106,13 +107,13 @@ def test_demo_keep_mode_stores_the_base_once(tmp_path):
 
     from adapterpack.report.inspect import inspect_package
 
-    keep = build(REPO / "manifests" / "demo-keep.yaml", output=tmp_path / "keep.mlpackage", cache_dir=tmp_path / "c")
+    keep = build(REPO / "manifests" / "demo-keep.yaml", output=tmp_path / "keep.mlpackage", options=BuildOptions(cache_dir=tmp_path / "c"))
     data = yaml.safe_load((REPO / "manifests" / "demo-keep.yaml").read_text())
     data.update(adapters=[], include_base="base", default_function="base", name="demo-base-only")
     base_manifest = REPO / "manifests" / ".demo-base-only.yaml"
     base_manifest.write_text(yaml.safe_dump(data))
     try:
-        alone = build(base_manifest, output=tmp_path / "base.mlpackage", cache_dir=tmp_path / "c", verify=False)
+        alone = build(base_manifest, output=tmp_path / "base.mlpackage", options=BuildOptions(cache_dir=tmp_path / "c", verify=False))
     finally:
         base_manifest.unlink()
     assert keep.verify_report.passed, keep.verify_report.verdict()

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from adapterpack.build.pipeline import build
+from adapterpack.build.records import BuildOptions
 from adapterpack.config.device_rules import cache_length_findings, package_findings
 from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
@@ -38,7 +39,7 @@ def project(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def good_spec(project):
-    package = build(project / "good.yaml", output=project / "good.mlpackage", verify=False).output
+    package = build(project / "good.yaml", output=project / "good.mlpackage", options=BuildOptions(verify=False)).output
     return package, load_spec_file(spec_path(package))
 
 

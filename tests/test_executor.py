@@ -1,4 +1,4 @@
-"""Tests for the numpy ML Program executor (``adapterpack.executor``).
+"""Tests for the numpy ML Program executor (``adapterpack.verify.executor``).
 
 Every supported op gets a tiny MIL program that is converted, saved as an ``.mlpackage`` and run
 back through the executor, so the whole path (proto serialization, milproto loading, blob

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from adapterpack.build.records import BuildOptions
+
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "peft", "coremltools")
 
@@ -30,7 +32,7 @@ def package(tmp_path_factory):
     from adapterpack.build.pipeline import build
 
     out = tmp_path_factory.mktemp("fast")
-    return build(REPO / "manifests" / "demo-keep.yaml", output=out / "keep.mlpackage", cache_dir=out / "c", verify=False).output
+    return build(REPO / "manifests" / "demo-keep.yaml", output=out / "keep.mlpackage", options=BuildOptions(cache_dir=out / "c", verify=False)).output
 
 
 @pytest.mark.parametrize("command", ["validate", "functions", "inspect", "schema"])

@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from adapterpack.build.pipeline import build
+from adapterpack.build.records import BuildOptions
 from adapterpack.cli.app import app
 from adapterpack.config.devices import (
     CONTEXT_STEP,
@@ -61,7 +62,7 @@ def _build(project: Path, name: str, *, lora: str, compression: str, adapters=("
         f"name: {name}\nbase: {{path: base}}\nadapters:\n{entries}{include}lora: {lora}\n"
         f"export: {{max_context: 64}}\ncompression: {compression}\n"
     )
-    return build(manifest, output=project / f"{name}.mlpackage", verify=False).output
+    return build(manifest, output=project / f"{name}.mlpackage", options=BuildOptions(verify=False)).output
 
 
 @pytest.fixture(scope="module")

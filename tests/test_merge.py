@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from adapterpack.build.pipeline import build, build_function_part
+from adapterpack.build.records import BuildOptions
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.merge import merge_functions, read_spec
 from adapterpack.mlpackage.spec import op_values, walk_ops
@@ -128,13 +129,13 @@ def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, mon
         return compress_model(mlmodel, *args, **kwargs)
 
     monkeypatch.setattr(adapterpack.compress.model, "compress_model", counted)
-    fast = build(project / "m.yaml", output=tmp_path / "fast" / "p.mlpackage", verify=False)
+    fast = build(project / "m.yaml", output=tmp_path / "fast" / "p.mlpackage", options=BuildOptions(verify=False))
     # whole programs compressed: the base at 4 and at 6 bits, and the keep-mode function
     assert len(compressed) == 3
 
     compressed.clear()
-    monkeypatch.setattr(adapterpack.compress.model, "palettized_records", lambda values, compression: [None] * len(values))
-    slow = build(project / "m.yaml", output=tmp_path / "slow" / "p.mlpackage", verify=False)
+    monkeypatch.setattr(adapterpack.compress.model, "palettized_records", lambda values, compression, palettes: [None] * len(values))
+    slow = build(project / "m.yaml", output=tmp_path / "slow" / "p.mlpackage", options=BuildOptions(verify=False))
     assert len(compressed) == 5  # ... and each fused function on its own
     assert tree_digest(fast.output) == tree_digest(slow.output)
 
@@ -147,7 +148,7 @@ def test_rebuild_of_a_fused_adapter_does_not_load_the_base(project, tmp_path, mo
 
     changed = tmp_path / "p"
     shutil.copytree(project, changed, ignore=shutil.ignore_patterns("parts"))
-    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False)
+    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False))
     make_adapter(changed / "code", changed / "base", std=0.1, seed=7, targets=("q_proj", "gate_proj", "up_proj"))
 
     load_base = adapterpack.convert.base_model.load_base
@@ -157,6 +158,6 @@ def test_rebuild_of_a_fused_adapter_does_not_load_the_base(project, tmp_path, mo
         return load_base(folder, dtype)
 
     monkeypatch.setattr(adapterpack.convert.base_model, "load_base", reference_only)
-    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=True, force=True)
+    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=True, force=True))
     assert rebuilt.reused == ["chat", "kept", "base"]
     assert rebuilt.verify_report.passed

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-import adapterpack.compress.model as compress
+import adapterpack.compress.palettes as palettes
 from adapterpack.compress.kmeans import kmeans_1d
+from adapterpack.compress.palettes import PaletteStore
 
 
 def weights(seed: int, shape=(64, 256)) -> np.ndarray:
@@ -40,20 +40,13 @@ def test_few_distinct_values_are_kept_exactly():
     np.testing.assert_array_equal(lut[0][labels[0]].astype(np.float16), row[0])
 
 
-@pytest.fixture
-def no_disk_cache():
-    compress.set_palette_cache(None)
-    yield
-    compress.set_palette_cache(None)
-
-
-def test_palettes_do_not_depend_on_what_they_are_batched_with(no_disk_cache, monkeypatch):
+def test_palettes_do_not_depend_on_what_they_are_batched_with(monkeypatch):
     """Tensors are clustered together in batches that cut across tensor boundaries; each one's
     palettes must equal clustering it alone."""
     tensors = [weights(seed).reshape(-1, 16 * 256) for seed in range(3)]
-    alone = [compress.tensor_palettes([t], 4)[0] for t in tensors]
-    monkeypatch.setattr(compress, "_PRIME_BATCH_VALUES", 16 * 256 * 3)  # three rows: splits every tensor
-    together = compress.tensor_palettes(tensors, 4)
+    alone = [PaletteStore().tensor_palettes([t], 4)[0] for t in tensors]
+    monkeypatch.setattr(palettes, "PRIME_BATCH_VALUES", 16 * 256 * 3)  # three rows: splits every tensor
+    together = PaletteStore().tensor_palettes(tensors, 4)
     for (lut_a, idx_a), (lut_b, idx_b) in zip(alone, together):
         np.testing.assert_array_equal(lut_a, lut_b)
         np.testing.assert_array_equal(idx_a, idx_b)
@@ -61,26 +54,20 @@ def test_palettes_do_not_depend_on_what_they_are_batched_with(no_disk_cache, mon
 
 def test_disk_cache_returns_what_was_computed(tmp_path):
     tensor = weights(5).reshape(-1, 16 * 256)
-    compress.set_palette_cache(tmp_path)
-    try:
-        computed = compress.tensor_palettes([tensor], 4)[0]
-        assert len(list(tmp_path.glob("*.npz"))) == 1
-        reread = compress.tensor_palettes([tensor], 4)[0]
-    finally:
-        compress.set_palette_cache(None)
+    store = PaletteStore(tmp_path)
+    computed = store.tensor_palettes([tensor], 4)[0]
+    assert len(list(tmp_path.glob("*.npz"))) == 1
+    reread = PaletteStore(tmp_path).tensor_palettes([tensor], 4)[0]
     np.testing.assert_array_equal(computed[0], reread[0])
     np.testing.assert_array_equal(computed[1], reread[1])
 
 
 def test_damaged_cache_entries_are_recomputed(tmp_path):
     tensor = weights(6).reshape(-1, 16 * 256)
-    compress.set_palette_cache(tmp_path)
-    try:
-        computed = compress.tensor_palettes([tensor], 4)[0]
-        [entry] = tmp_path.glob("*.npz")
-        np.savez(entry, luts=computed[0][:1], indices=computed[1])  # wrong shape
-        assert np.array_equal(compress.tensor_palettes([tensor], 4)[0][0], computed[0])
-        entry.write_bytes(b"not a zip")
-        assert np.array_equal(compress.tensor_palettes([tensor], 4)[0][1], computed[1])
-    finally:
-        compress.set_palette_cache(None)
+    store = PaletteStore(tmp_path)
+    computed = store.tensor_palettes([tensor], 4)[0]
+    [entry] = tmp_path.glob("*.npz")
+    np.savez(entry, luts=computed[0][:1], indices=computed[1])  # wrong shape
+    assert np.array_equal(store.tensor_palettes([tensor], 4)[0][0], computed[0])
+    entry.write_bytes(b"not a zip")
+    assert np.array_equal(store.tensor_palettes([tensor], 4)[0][1], computed[1])

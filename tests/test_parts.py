@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from adapterpack.build.pipeline import build, build_function_part, merge_from_parts
+from adapterpack.build.records import BuildOptions
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.functions import read_functions
 from factories import make_adapter, make_project, tree_digest
@@ -35,19 +36,19 @@ def project(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def full_build(project):
-    return build(project / "m.yaml", output=project / "out" / "p.mlpackage", verify=False)
+    return build(project / "m.yaml", output=project / "out" / "p.mlpackage", options=BuildOptions(verify=False))
 
 
 def test_rebuild_after_one_adapter_changed_redoes_only_that_function(project, full_build, tmp_path):
     assert full_build.reused == []
-    unchanged = build(project / "m.yaml", output=project / "out" / "p.mlpackage", verify=False, force=True)
+    unchanged = build(project / "m.yaml", output=project / "out" / "p.mlpackage", options=BuildOptions(verify=False, force=True))
     assert unchanged.reused == ["chat", "code", "base"]
     assert tree_digest(unchanged.output) == tree_digest(full_build.output)
 
     changed = tmp_path / "p"
     shutil.copytree(project, changed)
     make_adapter(changed / "code", changed / "base", std=0.1, seed=99, targets=("gate_proj", "up_proj"))
-    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False, force=True)
+    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False, force=True))
     assert rebuilt.reused == ["chat", "base"]
     def adapter_hashes(package: Path) -> dict:
         functions = json.loads(read_functions(package).metadata["co.adapterpack.functions"])
@@ -61,7 +62,7 @@ def test_cache_is_keyed_by_settings(project, full_build, tmp_path):
     changed = tmp_path / "p"
     shutil.copytree(project, changed)
     (changed / "m.yaml").write_text(MANIFEST.replace("method: palettize", "method: linear"))
-    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False, force=True)
+    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False, force=True))
     assert rebuilt.reused == []
 
 
@@ -107,7 +108,7 @@ def test_rebuild_verifies_only_what_changed(project, tmp_path):
     assert not any(REUSED_NOTE in f.notes for f in first.verify_report.functions)
 
     make_adapter(changed / "code", changed / "base", std=0.1, seed=98, targets=("gate_proj", "up_proj"))
-    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", force=True)
+    rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(force=True))
     reused = {f.name for f in rebuilt.verify_report.functions if REUSED_NOTE in f.notes}
     assert reused == {"chat", "base"} and rebuilt.verify_report.passed
     code = next(f for f in rebuilt.verify_report.functions if f.name == "code")
@@ -117,7 +118,7 @@ def test_rebuild_verifies_only_what_changed(project, tmp_path):
     # Other verification settings: nothing is reused.
     text = (changed / "m.yaml").read_text() + "verify: {prefill: 5, decode_steps: 3}\n"
     (changed / "m.yaml").write_text(text)
-    again = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", force=True)
+    again = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(force=True))
     assert not any(REUSED_NOTE in f.notes for f in again.verify_report.functions)
 
 
@@ -126,26 +127,26 @@ def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
     import adapterpack.build.builder
 
     cache = tmp_path / "cache"
-    first = build_function_part(project / "m.yaml", "chat", tmp_path / "parts1", cache_dir=cache)
+    first = build_function_part(project / "m.yaml", "chat", tmp_path / "parts1", options=BuildOptions(cache_dir=cache))
 
     def refuse(*args, **kwargs):
         raise AssertionError("built again despite the cache")
 
     monkeypatch.setattr(adapterpack.build.builder, "_PartBuilder", refuse)
-    second = build_function_part(project / "m.yaml", "chat", tmp_path / "parts2", cache_dir=cache)
+    second = build_function_part(project / "m.yaml", "chat", tmp_path / "parts2", options=BuildOptions(cache_dir=cache))
     assert tree_digest(first) == tree_digest(second)
 
 
 def test_converted_base_is_cached_and_pruned_with_its_settings(project, tmp_path):
     changed = tmp_path / "p"
     shutil.copytree(project, changed, ignore=shutil.ignore_patterns("out", "parts*"))
-    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False)
+    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False))
     templates = changed / "out" / ".adapterpack-cache" / "templates"
     first = sorted(p.name for p in templates.glob("*.mlpackage"))
     assert len(first) == 2  # converted, and compressed for the palettized functions
 
     (changed / "m.yaml").write_text(MANIFEST.replace("method: palettize", "method: palettize, nbits: 6"))
-    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", verify=False, force=True)
+    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False, force=True))
     second = sorted(p.name for p in templates.glob("*.mlpackage"))
     assert len(second) == 2 and len(set(first) & set(second)) == 1  # the 4-bit base is gone
     assert len(list(templates.glob("*.json"))) == 2

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from adapterpack.build.pipeline import build
+from adapterpack.build.records import BuildOptions
 from adapterpack.verify.executor import ProgramExecutor
 from adapterpack.verify.metrics import compare_logits
 from factories import make_adapter, make_base
@@ -111,7 +112,7 @@ def test_sliding_window_shorter_than_the_sequence(tmp_path):
             """
         )
     )
-    result = build(tmp_path / "m.yaml", output=tmp_path / "out.mlpackage", cache_dir=tmp_path / "cache")
+    result = build(tmp_path / "m.yaml", output=tmp_path / "out.mlpackage", options=BuildOptions(cache_dir=tmp_path / "cache"))
     assert_both_drives_pass(result.verify_report)
     adapters = {"fused": tmp_path / "fused", "kept": tmp_path / "kept", "base": None}
     check_like_the_swift_client(result.output, tmp_path / "base", adapters, vocab=96)
@@ -129,7 +130,7 @@ def demo_float16(tmp_path_factory):
     manifest = REPO / "manifests" / f".demo-swift-{out.name}.yaml"  # beside demo.yaml: its paths are relative
     manifest.write_text(yaml.safe_dump(data))
     try:
-        result = build(manifest, output=out / "demo.mlpackage", cache_dir=out / "cache")
+        result = build(manifest, output=out / "demo.mlpackage", options=BuildOptions(cache_dir=out / "cache"))
         yield manifest, result
     finally:
         manifest.unlink()

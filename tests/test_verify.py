@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from adapterpack.build.pipeline import build
+from adapterpack.build.records import BuildOptions
 from adapterpack.config.manifest import load_manifest
 from adapterpack.verify.metrics import compare_logits, retention
 from adapterpack.verify.package import verify_package
@@ -44,7 +45,7 @@ def float16_package(tmp_path_factory):
             """
         )
     )
-    result = build(root / "m.yaml", output=root / "v.mlpackage", verify=False)
+    result = build(root / "m.yaml", output=root / "v.mlpackage", options=BuildOptions(verify=False))
     return root, result.output
 
 
@@ -138,7 +139,7 @@ def test_mistyped_program_fails_verify_naming_function_op_and_types(tmp_path, mo
     )
     with monkeypatch.context() as patch:
         patch.setattr(ExportDecoder, "_attention_bias", _where_mask_bias)
-        package = build(tmp_path / "m.yaml", output=tmp_path / "w.mlpackage", verify=False).output
+        package = build(tmp_path / "m.yaml", output=tmp_path / "w.mlpackage", options=BuildOptions(verify=False)).output
     report = verify_package(package, load_manifest(tmp_path / "m.yaml"))
     assert not report.passed
     assert [
@@ -203,7 +204,7 @@ def test_washed_out_adapter_is_reported(tmp_path):
             """
         )
     )
-    result = build(tmp_path / "m.yaml", output=tmp_path / "w.mlpackage", verify=False)
+    result = build(tmp_path / "m.yaml", output=tmp_path / "w.mlpackage", options=BuildOptions(verify=False))
     report = verify_package(result.output, load_manifest(tmp_path / "m.yaml"))
     by_name = {f.name: f for f in report.functions}
     faint, strong = by_name["faint"], by_name["strong"]

@@ -8,7 +8,7 @@ import pytest
 from adapterpack.mlpackage.weight_patch import WEIGHTS, TensorChange, patch_weights
 
 
-def two_layer_program(path, w1, w2, compression=None):
+def two_layer_program(path, w1, w2, compression=None, palettes=None):
     """Save a two-linear program with these float16 weights (compressed as ``compression`` says)."""
     from adapterpack.compress.model import compress_model
     from adapterpack.quiet import captured_output, import_coremltools
@@ -25,7 +25,7 @@ def two_layer_program(path, w1, w2, compression=None):
         model = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                            skip_model_load=True)
     if compression is not None:
-        model = compress_model(model, compression)
+        model = compress_model(model, compression, palettes=palettes)
     with captured_output():
         model.save(str(path))
     return path
@@ -89,19 +89,17 @@ def test_shape_or_dtype_change_is_refused(template, tmp_path):
 def test_patching_a_compressed_base_equals_compressing_the_changed_model(template, tmp_path, settings):
     """The fast path of a fused function: patch palettized records into the compressed base.
     It must give byte for byte what compressing the model with the new weight gives."""
-    from adapterpack.compress.model import palettized_records, set_palette_cache
+    from adapterpack.compress.model import palettized_records
+    from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.manifest import Compression
 
     _, w1, w2 = template
     compression = Compression(**settings)
     new = (w2.astype(np.float32) * 0.9 + 0.05).astype(np.float16)
-    set_palette_cache(tmp_path / "palettes")
-    try:
-        base = two_layer_program(tmp_path / "base.mlpackage", w1, w2, compression)
-        expected = two_layer_program(tmp_path / "expected.mlpackage", w1, new, compression)
-        before, after = palettized_records([w2, new], compression)
-    finally:
-        set_palette_cache(None)
+    store = PaletteStore(tmp_path / "palettes")
+    base = two_layer_program(tmp_path / "base.mlpackage", w1, w2, compression, store)
+    expected = two_layer_program(tmp_path / "expected.mlpackage", w1, new, compression, store)
+    before, after = palettized_records([w2, new], compression, store)
     change = TensorChange.float16(w2, new)
     change.encodings.insert(0, [(d, b, a) for (d, b), (_, a) in zip(before, after)])
     assert patch_weights(base, tmp_path / "patched.mlpackage", [change])
@@ -113,11 +111,12 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
 def test_palettized_records_decode_to_the_palettized_weight():
     """The records are what constexpr_lut_to_dense reads: packed indices (LSB first) and a palette."""
     from adapterpack.compress.model import palettized_records
+    from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.manifest import Compression
 
     weight = np.random.default_rng(3).standard_normal((32, 48)).astype(np.float16)
     [[(index_dtype, packed), (lut_dtype, lut)]] = palettized_records(
-        [weight], Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=8)
+        [weight], Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=8), PaletteStore()
     )
     assert (index_dtype, lut_dtype) == ("uint4", "float16")
     packed = np.frombuffer(packed, np.uint8)

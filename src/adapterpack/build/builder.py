@@ -9,8 +9,13 @@ import logging
 import shutil
 from pathlib import Path
 
-from adapterpack.build.records import FunctionRecord, Reporter
+from adapterpack.build.parts import PART_FORMAT, Part, PartRecord, content_key, place
+from adapterpack.build.records import Reporter
 from adapterpack.inputs.checked import CheckedInputs, hf_name
+from adapterpack.mlpackage.merge import merge_functions
+from adapterpack.mlpackage.metadata import library_versions, package_metadata
+from adapterpack.mlpackage.weight_patch import TensorChange, patch_weights
+from adapterpack.quiet import captured_output, import_coremltools
 
 log = logging.getLogger(__name__)
 
@@ -22,29 +27,28 @@ def build_parts(
     *,
     cache=None,
     only: list[str] | None = None,
-) -> tuple[list[tuple[dict, Path]], list[str]]:
+) -> tuple[list[Part], list[str]]:
     """Build (or take from ``cache``) the part of every function, in the package's order.
 
-    Returns the parts as (record, package path) and the names of the functions reused from the
-    cache. The base is loaded only if some part has to be built.
+    Returns the parts and the names of the functions reused from the cache. The base is loaded
+    only if some part has to be built.
     """
-    from adapterpack.build.parts import part_key, part_record, place
-    from adapterpack.compress.model import set_palette_cache
+    from adapterpack.compress.palettes import PaletteStore
 
     manifest = checked.manifest
     folder.mkdir(parents=True, exist_ok=True)
     # Palettes go to disk even without a build cache: a fused function's patch re-reads the
     # base's, and holding a 1B model's in memory would cost over a gigabyte.
-    set_palette_cache(cache.folder / "palettes" if cache is not None else folder / ".palettes")
+    palettes = PaletteStore(cache.folder / "palettes" if cache is not None else folder / ".palettes")
     names = only or manifest.function_names
     name_for_client = hf_name(checked)
-    parts: list[tuple[dict, Path]] = []
+    parts: list[Part] = []
     reused: list[str] = []
     builder = None
     try:
         for name in names:
-            record = part_record(checked, name, name_for_client)
-            key = part_key(record)
+            record = PartRecord.for_function(checked, name, name_for_client)
+            key = record.key
             target = folder / f"{name}.mlpackage"
             cached = cache.get(key) if cache is not None else None
             if cached is not None:
@@ -53,24 +57,21 @@ def build_parts(
                 reused.append(name)
             else:
                 if builder is None:
-                    builder = _PartBuilder(checked, reporter, folder, cache)
+                    builder = _PartBuilder(checked, reporter, folder, cache, palettes)
                 builder.build(name, target)
                 if cache is not None:
                     cache.put(key, target, record)
-            parts.append((record, target))
+            parts.append(Part(record, target))
     finally:
         if builder is not None:
             builder.close()
-        set_palette_cache(None)
         shutil.rmtree(folder / ".palettes", ignore_errors=True)
     return parts, reused
 
 
 def template_key(checked: CheckedInputs, compression=None) -> str:
     """Cache key of the converted base, uncompressed (None) or compressed as ``compression`` says."""
-    from adapterpack.build.parts import PART_FORMAT, part_key
-    from adapterpack.compress.model import PALETTE_ALGORITHM
-    from adapterpack.mlpackage.metadata import library_versions
+    from adapterpack.compress.palettes import PALETTE_ALGORITHM
 
     export = checked.manifest.export
     record = {
@@ -83,7 +84,7 @@ def template_key(checked: CheckedInputs, compression=None) -> str:
     }
     if compression is not None and compression.method != "none":
         record.update(compression=compression.model_dump(mode="json"), palettes=PALETTE_ALGORITHM)
-    return part_key(record)
+    return content_key(record)
 
 
 class _PartBuilder:
@@ -101,8 +102,9 @@ class _PartBuilder:
     compresses anything, so a build never holds it and a compressing program at once.
     """
 
-    def __init__(self, checked: CheckedInputs, reporter: Reporter, workdir: Path, cache=None):
+    def __init__(self, checked: CheckedInputs, reporter: Reporter, workdir: Path, cache, palettes):
         self.checked = checked
+        self.palettes = palettes  # compress.palettes.PaletteStore of this build
         self.reporter = reporter
         self.workdir = workdir
         self.cache = cache
@@ -133,7 +135,6 @@ class _PartBuilder:
         return convert_decoder(model, max_context=export.max_context, target=export.deployment_target)
 
     def _save(self, mlmodel, path: Path) -> None:
-        from adapterpack.quiet import captured_output
 
         with captured_output():
             mlmodel.save(str(path))
@@ -143,7 +144,6 @@ class _PartBuilder:
 
         Cached beside the parts, keyed by the base's content, export settings and versions.
         """
-        from adapterpack.build.parts import place
 
         if compression is not None and compression.method == "none":
             compression = None
@@ -161,14 +161,13 @@ class _PartBuilder:
                 del mlmodel
         else:
             from adapterpack.compress.model import compress_model
-            from adapterpack.quiet import captured_output, import_coremltools
 
             source = self.template(None)
             self.release_base()
             with self.reporter.stage(f"base: compress ({compression.describe()}, once for all functions)"):
                 with captured_output():
                     mlmodel = import_coremltools().models.MLModel(str(source), skip_model_load=True)
-                mlmodel = compress_model(mlmodel, compression)
+                mlmodel = compress_model(mlmodel, compression, palettes=self.palettes)
                 self._save(mlmodel, path)
                 del mlmodel
         if cached is None and self.cache is not None:
@@ -186,20 +185,18 @@ class _PartBuilder:
     def _patched(self, changes: dict, compression, source: Path, target: Path) -> bool:
         """``target`` = ``source`` with the fused weights in, in the form ``source`` stores them."""
         from adapterpack.compress.model import palettized_records
-        from adapterpack.mlpackage.weight_patch import TensorChange, patch_weights
 
         pairs = [(old.numpy(), new.numpy()) for old, new in changes.values()]
         tensor_changes = [TensorChange.float16(old, new) for old, new in pairs]
         if compression is not None and compression.method == "palettize":
             # all changed tensors at once: their k-means runs batched
-            records = palettized_records([value for pair in pairs for value in pair], compression)
+            records = palettized_records([value for pair in pairs for value in pair], compression, self.palettes)
             for change, before, after in zip(tensor_changes, records[0::2], records[1::2]):
                 if before is not None and after is not None:
                     change.encodings.insert(0, [(dtype, b, a) for (dtype, b), (_, a) in zip(before, after)])
         return patch_weights(source, target, tensor_changes)
 
     def build(self, name: str, target: Path) -> None:
-        from adapterpack.build.parts import place
 
         manifest = self.checked.manifest
         adapter = manifest.adapter(name)
@@ -229,7 +226,6 @@ class _PartBuilder:
         from adapterpack.compress.model import compress_model
         from adapterpack.convert.base_model import stored_weight_reader
         from adapterpack.convert.lora import applied_adapter
-        from adapterpack.quiet import captured_output, import_coremltools
 
         manifest = self.checked.manifest
         lora_compression = manifest.lora_compression if mode == "keep" else None
@@ -249,41 +245,37 @@ class _PartBuilder:
                     mlmodel = self._convert(model)
         self.release_base()
         with self.reporter.stage(f"{name}: compress ({compression.describe()})"):
-            mlmodel = compress_model(mlmodel, compression, lora_compression)
+            mlmodel = compress_model(mlmodel, compression, lora_compression, palettes=self.palettes)
         self._save(mlmodel, target)
         del mlmodel
         shutil.rmtree(patched, ignore_errors=True)
 
     def close(self) -> None:
-        from adapterpack.compress.model import clear_palette_memo
-
         self.release_base()
         for path in self._templates.values():
             shutil.rmtree(path, ignore_errors=True)
-        clear_palette_memo()
+        self.palettes.clear()
 
 
-def merge_parts(parts: list[tuple[dict, Path]], destination: Path) -> None:
+def merge_parts(parts: list[Part], destination: Path) -> None:
     """Merge parts (all from one manifest, see ``parts.read_parts``) into one package with metadata."""
-    from adapterpack.mlpackage.merge import merge_functions
-    from adapterpack.mlpackage.metadata import package_metadata
 
-    first = parts[0][0]
-    records = [FunctionRecord.from_part(record) for record, _ in parts]
+    first = parts[0].record
+    records = [record.function_record() for record, _ in parts]
     metadata = package_metadata(
-        hf_name=first["base"]["hf_name"],
-        manifest_name=first["manifest_name"],
+        hf_name=first.base["hf_name"],
+        manifest_name=first.manifest_name,
         functions={r.name: r.as_metadata() for r in records},
-        default_function=first["default_function"],
-        max_context=first["max_context"],
-        base={k: first["base"][k] for k in ("source", "revision", "sha256")},
-        versions=first["versions"],
+        default_function=first.default_function,
+        max_context=first.max_context,
+        base={k: first.base[k] for k in ("source", "revision", "sha256")},
+        versions=first.versions,
     )
     names = [r.name for r in records]
-    description = f"{first['manifest_name']}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"
+    description = f"{first.manifest_name}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"
     merge_functions(
-        {record["function"]: path for record, path in parts},
-        default_function=first["default_function"],
+        {record.function: path for record, path in parts},
+        default_function=first.default_function,
         destination=destination,
         metadata=metadata,
         description=description,

@@ -10,7 +10,8 @@ import os
 import shutil
 from pathlib import Path
 
-from adapterpack.build.parts import PART_SUFFIX, place
+from adapterpack.build.parts import PART_SUFFIX, PartRecord, place
+from adapterpack.verify.reports import function_report_from_json
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,9 @@ class PartCache:
             return package
         return None
 
-    def put(self, key: str, package: Path, record: dict) -> None:
+    def put(self, key: str, package: Path, record: PartRecord) -> None:
         _store(self.folder, key, package)
-        (self.folder / f"{key}{PART_SUFFIX}").write_text(json.dumps(record, indent=2, sort_keys=True))
+        (self.folder / f"{key}{PART_SUFFIX}").write_text(json.dumps(record.as_json(), indent=2, sort_keys=True))
 
     def template(self, key: str) -> Path | None:
         """A converted (and possibly compressed) base, by key; see ``pipeline._PartBuilder``."""
@@ -61,7 +62,6 @@ class PartCache:
 
     def verified(self, keys: dict[str, str]) -> dict:
         """{function: FunctionReport} of the functions whose verification key has a stored verdict."""
-        from adapterpack.verify.reports import function_report_from_json
 
         found = {}
         for function, key in keys.items():

@@ -13,9 +13,13 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
+from adapterpack.build.records import FunctionRecord
 from adapterpack.errors import BadInput
+from adapterpack.mlpackage.metadata import library_versions
 
 log = logging.getLogger(__name__)
 
@@ -30,46 +34,105 @@ PART_FORMAT = 2
 
 # Fields every part of one package must agree on.
 SHARED_FIELDS = ("manifest_name", "base", "max_context", "deployment_target", "versions", "function_order", "default_function")
+# Fields that name or order a part without changing its bytes: left out of its key.
+UNKEYED_FIELDS = ("function_order", "default_function", "manifest_name", "adapter")
 
 
-def part_record(checked, name: str, hf_name: str) -> dict:
-    """Everything that determines the bytes of function ``name``'s part, as plain JSON data."""
-    from adapterpack.mlpackage.metadata import library_versions
-
-    manifest = checked.manifest
-    adapter = manifest.adapter(name)
-    info = checked.adapters.get(name)
-    mode = manifest.lora_mode(name) if adapter is not None else None
-    compression = manifest.compression_for(name)
-    return {
-        "format": PART_FORMAT,
-        "manifest_name": manifest.name,
-        "function": name,
-        "function_order": manifest.function_names,
-        "default_function": manifest.default,
-        "adapter": adapter.path if adapter is not None else None,
-        "adapterSha256": info.content_hash if info is not None else None,
-        "lora": mode,
-        "scale": float(adapter.scale) if adapter is not None else None,
-        "compression": compression.describe(),
-        "compression_settings": compression.model_dump(mode="json"),
-        "lora_compression": manifest.lora_compression.model_dump(mode="json") if mode == "keep" else None,
-        "base": {
-            "source": manifest.base.path,
-            "revision": manifest.base.revision,
-            "sha256": checked.base.content_hash,
-            "hf_name": hf_name,
-        },
-        "max_context": manifest.export.max_context,
-        "deployment_target": manifest.export.deployment_target,
-        "versions": library_versions(),
-    }
-
-
-def part_key(record: dict) -> str:
-    """Content key of a part: identical for identical inputs, settings and tool versions."""
-    payload = {k: v for k, v in record.items() if k not in ("function_order", "default_function", "manifest_name", "adapter")}
+def content_key(payload: dict) -> str:
+    """sha256 of JSON data, independent of key order (the build cache's keys)."""
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """Everything that determines the bytes of one function's part; stored beside it as JSON."""
+
+    manifest_name: str
+    function: str
+    function_order: tuple[str, ...]
+    default_function: str
+    adapter: str | None  # as the manifest names it
+    adapter_sha256: str | None
+    lora: str | None  # fuse | keep, None for the base
+    scale: float | None
+    compression: str  # human-readable
+    compression_settings: dict
+    lora_compression: dict | None  # keep mode only
+    base: dict  # source, revision, sha256, hf_name
+    max_context: int
+    deployment_target: str
+    versions: dict[str, str]
+    format: int = PART_FORMAT
+
+    @classmethod
+    def for_function(cls, checked, name: str, hf_name: str) -> PartRecord:
+        """The record of function ``name`` of a checked manifest (inputs.checked.CheckedInputs)."""
+
+        manifest = checked.manifest
+        adapter = manifest.adapter(name)
+        info = checked.adapters.get(name)
+        mode = manifest.lora_mode(name) if adapter is not None else None
+        compression = manifest.compression_for(name)
+        return cls(
+            manifest_name=manifest.name,
+            function=name,
+            function_order=tuple(manifest.function_names),
+            default_function=manifest.default,
+            adapter=adapter.path if adapter is not None else None,
+            adapter_sha256=info.content_hash if info is not None else None,
+            lora=mode,
+            scale=float(adapter.scale) if adapter is not None else None,
+            compression=compression.describe(),
+            compression_settings=compression.model_dump(mode="json"),
+            lora_compression=manifest.lora_compression.model_dump(mode="json") if mode == "keep" else None,
+            base={
+                "source": manifest.base.path,
+                "revision": manifest.base.revision,
+                "sha256": checked.base.content_hash,
+                "hf_name": hf_name,
+            },
+            max_context=manifest.export.max_context,
+            deployment_target=manifest.export.deployment_target,
+            versions=library_versions(),
+        )
+
+    def as_json(self) -> dict:
+        """The record as stored (``adapterSha256`` as in the package metadata)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["adapterSha256"] = data.pop("adapter_sha256")
+        data["function_order"] = list(self.function_order)
+        return data
+
+    @classmethod
+    def from_json(cls, data: object, where: Path) -> PartRecord:
+        """A stored record; BadInput naming ``where`` when it is not one of this version."""
+        if not isinstance(data, dict) or "function" not in data or data.get("format") != PART_FORMAT:
+            raise BadInput(
+                f"{where}: not an adapterpack part record of this version (format {PART_FORMAT}): "
+                "build the parts again with this adapterpack"
+            )
+        values = dict(data)
+        values["adapter_sha256"] = values.pop("adapterSha256", None)
+        names = {f.name for f in fields(cls)}
+        if set(values) != names:
+            raise BadInput(f"{where}: part record fields {sorted(set(values) ^ names)} missing or unknown")
+        values["function_order"] = tuple(values["function_order"])
+        return cls(**values)
+
+    @property
+    def key(self) -> str:
+        """Content key: identical for identical inputs, settings and tool versions."""
+        return content_key({k: v for k, v in self.as_json().items() if k not in UNKEYED_FIELDS})
+
+    def function_record(self) -> FunctionRecord:
+        return FunctionRecord(self.function, self.adapter, self.adapter_sha256, self.lora, self.scale, self.compression)
+
+
+class Part(NamedTuple):
+    """A built part: its record and its single-function package."""
+
+    record: PartRecord
+    package: Path
 
 
 def place(source: Path, destination: Path) -> None:
@@ -86,53 +149,49 @@ def place(source: Path, destination: Path) -> None:
     shutil.copytree(source, destination, copy_function=link_or_copy)
 
 
-def write_part(folder: Path, package: Path, record: dict) -> Path:
+def write_part(folder: Path, part: Part) -> Path:
     """Store a part for a later ``adapterpack merge`` (fan-out across CI jobs)."""
     folder.mkdir(parents=True, exist_ok=True)
-    name = record["function"]
+    name = part.record.function
     target = folder / f"{name}.mlpackage"
-    place(package, target)
-    (folder / f"{name}{PART_SUFFIX}").write_text(json.dumps(record, indent=2, sort_keys=True))
+    place(part.package, target)
+    (folder / f"{name}{PART_SUFFIX}").write_text(json.dumps(part.record.as_json(), indent=2, sort_keys=True))
     return target
 
 
-def read_parts(folder: Path) -> list[tuple[dict, Path]]:
+def read_parts(folder: Path) -> list[Part]:
     """Parts in ``folder``, in the package's function order, checked to belong together."""
     folder = Path(folder)
     if not folder.is_dir():
         raise BadInput(f"{folder}: parts folder not found")
-    parts: list[tuple[dict, Path]] = []
+    parts: list[Part] = []
     for record_file in sorted(folder.glob(f"*{PART_SUFFIX}")):
         try:
-            record = json.loads(record_file.read_text())
+            data = json.loads(record_file.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise BadInput(f"{record_file}: not a readable part record ({error})") from None
-        if not isinstance(record, dict) or "function" not in record or record.get("format") != PART_FORMAT:
-            raise BadInput(
-                f"{record_file}: not an adapterpack part record of this version (format {PART_FORMAT}): "
-                "build the parts again with this adapterpack"
-            )
-        package = folder / f"{record['function']}.mlpackage"
+        record = PartRecord.from_json(data, record_file)
+        package = folder / f"{record.function}.mlpackage"
         if not package.is_dir():
             raise BadInput(f"{record_file}: its package {package.name} is missing")
-        parts.append((record, package))
+        parts.append(Part(record, package))
     if not parts:
         raise BadInput(f"{folder}: no parts (*{PART_SUFFIX}) to merge")
-    first = parts[0][0]
+    first = parts[0].record
     for record, _ in parts[1:]:
         for field in SHARED_FIELDS:
-            if record.get(field) != first.get(field):
+            if getattr(record, field) != getattr(first, field):
                 raise BadInput(
-                    f"{folder}: parts '{first['function']}' and '{record['function']}' differ in {field} "
-                    f"({json.dumps(first.get(field), sort_keys=True)[:120]} vs "
-                    f"{json.dumps(record.get(field), sort_keys=True)[:120]}): build all parts from one manifest "
+                    f"{folder}: parts '{first.function}' and '{record.function}' differ in {field} "
+                    f"({json.dumps(first.as_json()[field], sort_keys=True)[:120]} vs "
+                    f"{json.dumps(record.as_json()[field], sort_keys=True)[:120]}): build all parts from one manifest "
                     "with the same adapterpack and library versions"
                 )
-    order = first["function_order"]
-    present = {record["function"] for record, _ in parts}
+    order = first.function_order
+    present = {record.function for record, _ in parts}
     missing = [name for name in order if name not in present]
     extra = sorted(present - set(order))
     if missing or extra:
         detail = "; ".join(filter(None, [missing and f"missing {', '.join(missing)}", extra and f"unexpected {', '.join(extra)}"]))
         raise BadInput(f"{folder}: parts do not make up the package: {detail}")
-    return sorted(parts, key=lambda part: order.index(part[0]["function"]))
+    return sorted(parts, key=lambda part: order.index(part.record.function))

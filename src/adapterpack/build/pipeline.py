@@ -18,11 +18,18 @@ from adapterpack.build.builder import (
     merge_parts,
     template_key,
 )
-from adapterpack.build.records import BuildResult, FunctionRecord, Reporter
+from adapterpack.build.cache import PartCache
+from adapterpack.build.parts import PartRecord, read_parts, write_part
+from adapterpack.build.records import BuildOptions, BuildResult, Reporter
 from adapterpack.build.staging import Staging
+from adapterpack.config.device_rules import package_findings
+from adapterpack.config.devices import lora_float16_bytes
 from adapterpack.config.manifest import Manifest
-from adapterpack.errors import BadInput, OutputExists
+from adapterpack.errors import BadInput, OutputExists, VerificationFailed
 from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_sizes
+from adapterpack.mlpackage.spec import load_spec_file, spec_path
+from adapterpack.verify.package import verify_package
+from adapterpack.verify.reports import VERIFY_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +39,6 @@ def check_device_rules(package: Path, *, strict: bool, sizes_checked: bool = Fal
 
     ``sizes_checked``: the state-size rule was already reported from the manifest.
     """
-    from adapterpack.config.device_rules import package_findings
-    from adapterpack.mlpackage.spec import load_spec_file, spec_path
 
     findings = package_findings(load_spec_file(spec_path(package)))
     if sizes_checked:
@@ -49,14 +54,8 @@ def build(
     manifest: Manifest | str | Path | CheckedInputs,
     *,
     output: str | Path | None = None,
-    force: bool = False,
-    allow_pickle: bool = False,
+    options: BuildOptions = BuildOptions(),
     reporter: Reporter | None = None,
-    verify: bool = True,
-    backend: str = "numpy",
-    strict: bool = False,
-    cache_dir: str | Path | None = None,
-    use_cache: bool = True,
 ) -> BuildResult:
     """Build the package a manifest describes; returns where it went and what it holds.
 
@@ -67,30 +66,29 @@ def build(
     """
     reporter = reporter or Reporter()
     started = time.perf_counter()
-    checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
-    check_state_sizes(checked, strict=strict)
+    checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
+    check_state_sizes(checked, strict=options.strict)
     manifest = checked.manifest
     destination = manifest.output_path(output)
-    if destination.exists() and not force:
+    if destination.exists() and not options.force:
         raise OutputExists(f"{destination} exists: pass --force to replace it")
 
-    from adapterpack.build.cache import PartCache
 
-    cache = PartCache(Path(cache_dir) if cache_dir else destination.parent / CACHE_FOLDER) if use_cache else None
+    cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
+    cache = PartCache(cache_dir) if options.use_cache else None
     with Staging(destination) as staging:
         parts, reused = build_parts(checked, staging.folder / "parts", reporter, cache=cache)
-        records = [FunctionRecord.from_part(record) for record, _ in parts]
-        part_sizes = {record["function"]: folder_size(path) for record, path in parts}
+        records = [record.function_record() for record, _ in parts]
+        part_sizes = {record.function: folder_size(path) for record, path in parts}
         merged = staging.folder / destination.name
         with reporter.stage("merge functions"):
             merge_parts(parts, merged)
-        check_device_rules(merged, strict=strict, sizes_checked=True)
+        check_device_rules(merged, strict=options.strict, sizes_checked=True)
         report = None
-        if verify:
-            from adapterpack.errors import VerificationFailed
-            from adapterpack.verify.package import verify_package
+        backend = options.backend
+        if options.verify:
 
-            keys = {record["function"]: verification_key(record, manifest, backend) for record, _ in parts}
+            keys = {record.function: verification_key(record, manifest, backend) for record, _ in parts}
             reuse = cache.verified(keys) if cache is not None else {}
             label = f"verify {len(records) - len(reuse)} function(s) ({backend})"
             with reporter.stage(label + (f"; {len(reuse)} unchanged since verified" if reuse else "")):
@@ -101,10 +99,8 @@ def build(
                 cache.put_verified({keys[f.name]: f for f in report.functions if f.name not in reuse})
         staging.commit(merged)
     if cache is not None:
-        from adapterpack.build.parts import part_key
-
         templates = {template_key(checked)} | {template_key(checked, manifest.compression_for(n)) for n in manifest.function_names}
-        cache.prune(manifest.name, {part_key(record) for record, _ in parts}, checked.base.content_hash, templates)
+        cache.prune(manifest.name, {record.key for record, _ in parts}, checked.base.content_hash, templates)
 
     result = BuildResult(
         output=destination,
@@ -139,7 +135,6 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
     fused = [r for r in result.functions if r.lora == "fuse"]
     if not fused or not result.part_sizes:
         return None
-    from adapterpack.config.devices import lora_float16_bytes
 
     base_bytes = min(result.part_sizes.values())
     return base_bytes + sum(lora_float16_bytes(info.tensors) for info in checked.adapters.values())
@@ -148,16 +143,14 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
 CACHE_FOLDER = ".adapterpack-cache"
 
 
-def verification_key(record: dict, manifest: Manifest, backend: str) -> str:
+def verification_key(record: PartRecord, manifest: Manifest, backend: str) -> str:
     """Cache key of a function's verdict: its part (inputs, settings, versions), the verify
     settings and thresholds, and the backend."""
     import hashlib
     import json
 
-    from adapterpack.build.parts import part_key
-    from adapterpack.verify.reports import VERIFY_FORMAT
 
-    payload = {"part": part_key(record), "verify": manifest.verify.model_dump(mode="json"), "backend": backend, "format": VERIFY_FORMAT}
+    payload = {"part": record.key, "verify": manifest.verify.model_dump(mode="json"), "backend": backend, "format": VERIFY_FORMAT}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -166,21 +159,17 @@ def build_function_part(
     function: str,
     parts_dir: str | Path,
     *,
-    allow_pickle: bool = False,
-    strict: bool = False,
+    options: BuildOptions = BuildOptions(),
     reporter: Reporter | None = None,
-    cache_dir: str | Path | None = None,
 ) -> Path:
     """Fan-out: build one function's part into ``parts_dir`` for a later ``merge`` (one CI job each).
 
-    With ``cache_dir`` (e.g. restored by the CI's cache action) the part, the converted base and
-    palettes of earlier runs are reused.
+    With ``options.cache_dir`` (e.g. restored by the CI's cache action) the part, the converted
+    base and palettes of earlier runs are reused; parts use no cache otherwise.
     """
-    from adapterpack.build.parts import write_part
-
     reporter = reporter or Reporter()
-    checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
-    check_state_sizes(checked, strict=strict)
+    checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
+    check_state_sizes(checked, strict=options.strict)
     if function not in checked.manifest.function_names:
         raise BadInput(
             f"--function {function}: not a function of {checked.manifest.source}: "
@@ -188,57 +177,52 @@ def build_function_part(
         )
     parts_dir = Path(parts_dir).resolve()
     with Staging(parts_dir / f"{function}.mlpackage") as staging:
-        from adapterpack.build.cache import PartCache
 
-        cache = PartCache(Path(cache_dir)) if cache_dir is not None else None
+        use_cache = options.cache_dir is not None and options.use_cache
+        cache = PartCache(Path(options.cache_dir)) if use_cache else None
         parts, _ = build_parts(checked, staging.folder, reporter, cache=cache, only=[function])
-        record, package = parts[0]
-        return write_part(parts_dir, package, record)
+        return write_part(parts_dir, parts[0])
 
 
 def merge_from_parts(
     parts_dir: str | Path,
     output: str | Path,
     *,
-    force: bool = False,
     manifest: Manifest | str | Path | None = None,
-    backend: str = "numpy",
+    options: BuildOptions = BuildOptions(),
     reporter: Reporter | None = None,
 ) -> BuildResult:
     """Fan-in: merge the parts in ``parts_dir`` into one package (verified when a manifest is given)."""
-    from adapterpack.build.parts import read_parts
-
+    backend = options.backend
     reporter = reporter or Reporter()
     started = time.perf_counter()
     parts = read_parts(Path(parts_dir))
     destination = Path(output).resolve()
-    if destination.exists() and not force:
+    if destination.exists() and not options.force:
         raise OutputExists(f"{destination} exists: pass --force to replace it")
-    checked = check_inputs(manifest) if manifest is not None else None
-    if checked is not None and checked.base.content_hash != parts[0][0]["base"]["sha256"]:
+    checked = check_inputs(manifest, strict=options.strict) if manifest is not None else None
+    if checked is not None and checked.base.content_hash != parts[0].record.base["sha256"]:
         raise BadInput(f"{parts_dir}: the parts were built from another base than {checked.manifest.source} names")
     report = None
     with Staging(destination) as staging:
         merged = staging.folder / destination.name
         with reporter.stage(f"merge {len(parts)} parts"):
             merge_parts(parts, merged)
-        check_device_rules(merged, strict=False)
-        if checked is not None:
-            from adapterpack.errors import VerificationFailed
-            from adapterpack.verify.package import verify_package
+        check_device_rules(merged, strict=options.strict)
+        if checked is not None and options.verify:
 
             with reporter.stage(f"verify {len(parts)} function(s) ({backend})"):
                 report = verify_package(merged, checked.manifest, backend=backend, checked=checked)
             if not report.passed:
                 raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
         staging.commit(merged)
-    first = parts[0][0]
+    first = parts[0].record
     return BuildResult(
         output=destination,
         manifest=checked.manifest if checked else None,
-        functions=[FunctionRecord.from_part(record) for record, _ in parts],
-        default_function=first["default_function"],
-        part_sizes={record["function"]: folder_size(path) for record, path in parts},
+        functions=[record.function_record() for record, _ in parts],
+        default_function=first.default_function,
+        part_sizes={record.function: folder_size(path) for record, path in parts},
         package_size=folder_size(destination),
         seconds=time.perf_counter() - started,
         verify_report=report,

@@ -34,6 +34,19 @@ def _logged_stage(label: str) -> Iterator[None]:
     log.info("%s done (%.1f s)", label, time.perf_counter() - started)
 
 
+@dataclass(frozen=True)
+class BuildOptions:
+    """How ``build``, ``release``, ``merge`` and fan-out parts run: the flags the commands share."""
+
+    force: bool = False  # replace an existing output (only once the new one succeeded)
+    allow_pickle: bool = False  # accept pickle (.bin) adapters, loaded with weights_only
+    strict: bool = False  # warnings (other base, device rules) are errors
+    verify: bool = True  # verify every function before the output is moved into place
+    backend: str = "numpy"  # verification backend: numpy (any OS) or coreml (macOS)
+    cache_dir: Path | None = None  # build cache (default: .adapterpack-cache beside the output)
+    use_cache: bool = True  # read and write the build cache
+
+
 @dataclass
 class FunctionRecord:
     name: str
@@ -42,13 +55,6 @@ class FunctionRecord:
     lora: str | None
     scale: float | None
     compression: str
-
-    @classmethod
-    def from_part(cls, record: dict) -> FunctionRecord:
-        return cls(
-            record["function"], record["adapter"], record["adapterSha256"], record["lora"], record["scale"],
-            record["compression"],
-        )
 
     def as_metadata(self) -> dict[str, object]:
         return {

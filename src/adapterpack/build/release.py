@@ -8,6 +8,7 @@ tool versions give byte-identical files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildResult, Reporter
+from adapterpack.build.records import BuildOptions, BuildResult, Reporter
 from adapterpack.build.staging import Staging
 from adapterpack.errors import OutOfResources, OutputExists
 from adapterpack.inputs.checked import check_inputs
 from adapterpack.inputs.safetensors import sha256_files
+from adapterpack.mlpackage.metadata import library_versions
 
 log = logging.getLogger(__name__)
 
@@ -89,26 +91,26 @@ def release(
     manifest,
     out_dir: str | Path,
     *,
-    force: bool = False,
-    allow_pickle: bool = False,
-    strict: bool = False,
+    options: BuildOptions = BuildOptions(),
     reporter: Reporter | None = None,
 ) -> ReleaseResult:
     """Build, verify and write ``<name>.mlpackage.zip``, ``build-info.json`` and ``SHA256SUMS``."""
     reporter = reporter or Reporter()
     out_dir = Path(out_dir).resolve()
-    checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
+    checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
     name = checked.manifest.name
     targets = [out_dir / f"{name}.mlpackage.zip", out_dir / BUILD_INFO, out_dir / SUMS]
     existing = [t for t in targets if t.exists()]
-    if existing and not force:
+    if existing and not options.force:
         raise OutputExists(f"{existing[0]} exists: pass --force to replace the release in {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
     check_disk_space(out_dir, required_disk_bytes(checked))
 
     with Staging(out_dir / f"{name}.release") as staging:
         package = staging.folder / f"{name}.mlpackage"
-        result = build(checked, output=package, force=True, allow_pickle=allow_pickle, reporter=reporter)
+        # A release is always verified, and built afresh in staging.
+        build_options = dataclasses.replace(options, force=True, verify=True)
+        result = build(checked, output=package, options=build_options, reporter=reporter)
         zip_path = staging.folder / targets[0].name
         with reporter.stage("zip package"):
             deterministic_zip(package, zip_path)
@@ -127,7 +129,6 @@ def release(
 
 def build_info(checked, result: BuildResult, zip_path: Path) -> dict:
     """Provenance of a release: inputs by content hash, settings, versions, verification, sizes."""
-    from adapterpack.mlpackage.metadata import library_versions
 
     manifest = checked.manifest
     report = result.verify_report

@@ -16,6 +16,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from adapterpack.build.pipeline import build as run_build
+from adapterpack.build.pipeline import build_function_part, merge_from_parts
+from adapterpack.build.records import BuildOptions
+from adapterpack.build.release import release as run_release
 from adapterpack.cli.boundary import configure_logging, error_boundary
 from adapterpack.cli.render import (
     ConsoleReporter,
@@ -25,8 +29,15 @@ from adapterpack.cli.render import (
     print_inspection,
     verify_table,
 )
-from adapterpack.errors import EXIT_CODES, BadInput
-from adapterpack.report.memory import budget_rows
+from adapterpack.config.devices import DEVICES, find_device
+from adapterpack.config.manifest import load_manifest, manifest_json_schema
+from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
+from adapterpack.inputs.checked import check_inputs, check_state_sizes
+from adapterpack.mlpackage.functions import read_functions
+from adapterpack.report.inspect import inspect_package
+from adapterpack.report.memory import budget_rows, memory_estimate
+from adapterpack.report.swift import expectation_diff, swift_enum
+from adapterpack.verify.package import verify_package
 
 EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {text.split(' (')[0]}" for code, text in EXIT_CODES.items()) + "."
 
@@ -48,6 +59,23 @@ _interrupted = False
 
 
 ManifestArg = Annotated[Path, typer.Argument(help="Manifest YAML, e.g. manifests/demo.yaml", show_default=False)]
+# The flags several commands share (see build.records.BuildOptions), declared once.
+ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the new one succeeded)")]
+AllowPickleOption = Annotated[bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")]
+StrictOption = Annotated[
+    bool,
+    typer.Option(
+        "--strict",
+        help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors",
+    ),
+]
+BackendOption = Annotated[str, typer.Option("--backend", help="Verification backend: numpy (any OS) or coreml (macOS)")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")]
+CacheDirOption = Annotated[
+    Path | None,
+    typer.Option("--cache-dir", help="Build cache (default: .adapterpack-cache beside the output; parts: none unless given)"),
+]
+NoCacheOption = Annotated[bool, typer.Option("--no-cache", help="Rebuild every function; do not read or write the cache")]
 
 
 @app.command()
@@ -56,27 +84,20 @@ def build(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output .mlpackage (overrides the manifest's `output`)")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the build succeeded)")] = False,
-    allow_pickle: Annotated[
-        bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")
-    ] = False,
+    force: ForceOption = False,
+    allow_pickle: AllowPickleOption = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verifying every function against PyTorch")] = False,
-    backend: Annotated[str, typer.Option("--backend", help="Verification backend: numpy (any OS) or coreml (macOS)")] = "numpy",
-    strict: Annotated[
-        bool, typer.Option("--strict", help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors")
-    ] = False,
-    cache_dir: Annotated[
-        Path | None,
-        typer.Option("--cache-dir", help="Build cache (default: .adapterpack-cache beside the output; parts: none unless given)"),
-    ] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Rebuild every function; do not read or write the cache")] = False,
+    backend: BackendOption = "numpy",
+    strict: StrictOption = False,
+    cache_dir: CacheDirOption = None,
+    no_cache: NoCacheOption = False,
     function: Annotated[
         str | None, typer.Option("--function", help="Fan-out: build only this function's part (needs --parts)")
     ] = None,
     parts: Annotated[
         Path | None, typer.Option("--parts", help="Fan-out: folder to write the part to, for `adapterpack merge`")
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Build one multifunction .mlpackage from a manifest, then verify it (exit 3 if it does not match).
 
@@ -87,32 +108,20 @@ def build(
     """
     configure_logging(quiet)
     with error_boundary():
-        from adapterpack.build.pipeline import build as run_build
 
         _check_backend(backend)
+        options = BuildOptions(
+            force=force, allow_pickle=allow_pickle, strict=strict, verify=not no_verify, backend=backend,
+            cache_dir=cache_dir, use_cache=not no_cache,
+        )
         if (function is None) != (parts is None):
             raise BadInput("--function and --parts go together (build one function's part for `adapterpack merge`)")
         if function is not None:
-            from adapterpack.build.pipeline import build_function_part
 
-            part = build_function_part(
-                manifest, function, parts, allow_pickle=allow_pickle, strict=strict, reporter=ConsoleReporter(quiet),
-                cache_dir=None if no_cache else cache_dir,
-            )
+            part = build_function_part(manifest, function, parts, options=options, reporter=ConsoleReporter(quiet))
             out.print(f"part {function}: {part}", highlight=False)
             return
-        result = run_build(
-            manifest,
-            output=output,
-            force=force,
-            allow_pickle=allow_pickle,
-            reporter=ConsoleReporter(quiet),
-            verify=not no_verify,
-            backend=backend,
-            strict=strict,
-            cache_dir=cache_dir,
-            use_cache=not no_cache,
-        )
+        result = run_build(manifest, output=output, options=options, reporter=ConsoleReporter(quiet))
         print_build(result)
 
 
@@ -123,8 +132,10 @@ def merge(
     manifest: Annotated[
         Path | None, typer.Option("--manifest", "-m", help="Verify the merged package against this manifest")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the merge succeeded)")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+    force: ForceOption = False,
+    backend: BackendOption = "numpy",
+    strict: StrictOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Merge parts built by separate jobs into one package (checks they share base, settings and versions).
 
@@ -132,15 +143,14 @@ def merge(
     """
     configure_logging(quiet)
     with error_boundary():
-        from adapterpack.build.pipeline import merge_from_parts
 
-        result = merge_from_parts(parts_dir, output, force=force, manifest=manifest, reporter=ConsoleReporter(quiet))
+        _check_backend(backend)
+        options = BuildOptions(force=force, strict=strict, backend=backend)
+        result = merge_from_parts(parts_dir, output, manifest=manifest, options=options, reporter=ConsoleReporter(quiet))
         print_build(result)
 
 
 def _check_backend(backend: str) -> None:
-    from adapterpack.errors import BadInput
-
     if backend not in ("numpy", "coreml"):
         raise BadInput(f"--backend {backend!r}: choose numpy or coreml")
     if backend == "coreml" and sys.platform != "darwin":
@@ -151,7 +161,7 @@ def _check_backend(backend: str) -> None:
 def verify(
     package: Annotated[Path, typer.Argument(help="The .mlpackage to check", show_default=False)],
     manifest: Annotated[Path, typer.Option("--manifest", "-m", help="The manifest the package was built from")],
-    backend: Annotated[str, typer.Option("--backend", help="numpy (any OS, default) or coreml (macOS only)")] = "numpy",
+    backend: BackendOption = "numpy",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
 ) -> None:
     """Check every function numerically against the PyTorch reference (peft, unmerged, float32).
@@ -160,15 +170,10 @@ def verify(
     """
     configure_logging(quiet=True)
     with error_boundary():
-        from adapterpack.config.manifest import load_manifest
-        from adapterpack.errors import VerificationFailed
-        from adapterpack.verify.package import verify_package
 
         _check_backend(backend)
         loaded = load_manifest(manifest)
         if not package.exists():
-            from adapterpack.errors import BadInput
-
             raise BadInput(f"{package}: package not found")
         report = verify_package(package, loaded, backend=backend)
         if as_json:
@@ -185,14 +190,12 @@ def verify(
 def release(
     manifest: ManifestArg,
     out_dir: Annotated[Path, typer.Option("--out-dir", "-d", help="Release folder, e.g. dist/")],
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing release (only once the new one succeeded)")] = False,
-    allow_pickle: Annotated[
-        bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")
-    ] = False,
-    strict: Annotated[
-        bool, typer.Option("--strict", help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors")
-    ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")] = False,
+    force: ForceOption = False,
+    allow_pickle: AllowPickleOption = False,
+    backend: BackendOption = "numpy",
+    strict: StrictOption = False,
+    cache_dir: CacheDirOption = None,
+    quiet: QuietOption = False,
 ) -> None:
     """Build, verify and write reproducible release artifacts: NAME.mlpackage.zip, build-info.json, SHA256SUMS.
 
@@ -200,11 +203,10 @@ def release(
     """
     configure_logging(quiet)
     with error_boundary():
-        from adapterpack.build.release import release as run_release
 
-        result = run_release(
-            manifest, out_dir, force=force, allow_pickle=allow_pickle, strict=strict, reporter=ConsoleReporter(quiet)
-        )
+        _check_backend(backend)
+        options = BuildOptions(force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir)
+        result = run_release(manifest, out_dir, options=options, reporter=ConsoleReporter(quiet))
         if result.build.verify_report is not None:
             out.print(verify_table(result.build.verify_report))
         for path in (result.zip_path, result.build_info, result.sums):
@@ -214,14 +216,8 @@ def release(
 @app.command()
 def validate(
     manifest: ManifestArg,
-    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters")] = False,
-    strict: Annotated[
-        bool,
-        typer.Option(
-            "--strict",
-            help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors",
-        ),
-    ] = False,
+    allow_pickle: AllowPickleOption = False,
+    strict: StrictOption = False,
 ) -> None:
     """Check a manifest, its base and its adapters without building anything.
 
@@ -229,7 +225,6 @@ def validate(
     """
     configure_logging(quiet=False)
     with error_boundary():
-        from adapterpack.inputs.checked import check_inputs, check_state_sizes
 
         checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
         check_state_sizes(checked, strict=strict)
@@ -248,7 +243,6 @@ def schema() -> None:
 
     Example: adapterpack schema > manifest.schema.json
     """
-    from adapterpack.config.manifest import manifest_json_schema
 
     print(json.dumps(manifest_json_schema(), indent=2))
 
@@ -270,9 +264,6 @@ def functions(
     """
     configure_logging(quiet=True)
     with error_boundary():
-        from adapterpack.errors import BadInput
-        from adapterpack.mlpackage.functions import read_functions
-        from adapterpack.report.swift import expectation_diff, swift_enum
 
         package_functions = read_functions(package)
         if expect is not None:
@@ -337,9 +328,6 @@ def inspect(
     """
     configure_logging(quiet=True)
     with error_boundary():
-        from adapterpack.config.devices import DEVICES, find_device
-        from adapterpack.report.inspect import inspect_package
-        from adapterpack.report.memory import memory_estimate
 
         devices = [find_device(device)] if device else list(DEVICES)
         report = inspect_package(package)

@@ -14,6 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from adapterpack.verify.reports import REUSED_NOTE
+
 # CI logs are not terminals; rich would wrap tables at 80 columns there.
 out = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -58,7 +60,6 @@ def human_size(size: int) -> str:
 
 def verify_table(report) -> Table:
     """The per-function checklist of a verification."""
-    from adapterpack.verify.reports import REUSED_NOTE
 
     table = Table(title=f"verify {report.package.name} ({report.backend} backend)", title_justify="left")
     columns = ("function", "compression", "worse drive", "cosine", "max |err|", "top-1", "KL", "retention", "result")

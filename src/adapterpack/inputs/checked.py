@@ -9,11 +9,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE, cache_length_findings
 from adapterpack.config.families import check_family
-from adapterpack.config.manifest import Manifest, load_manifest
+from adapterpack.config.manifest import Manifest, load_manifest, looks_like_hub_id
 from adapterpack.errors import BadInput
-from adapterpack.inputs.adapter import AdapterInfo
-from adapterpack.inputs.base import BaseInfo
+from adapterpack.inputs.adapter import AdapterInfo, inspect_adapter
+from adapterpack.inputs.base import BaseInfo, resolve_base
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,6 @@ def check_inputs(
 
     ``strict`` turns warnings (an adapter trained on a differently named base) into errors.
     """
-    from adapterpack.inputs.adapter import inspect_adapter
-    from adapterpack.inputs.base import resolve_base
 
     if isinstance(manifest, CheckedInputs):
         return manifest
@@ -72,7 +71,6 @@ def check_inputs(
 def check_state_sizes(checked: CheckedInputs, *, strict: bool) -> None:
     """Device rules on the state sizes the export will have (device_rules), before any heavy work:
     a warning, or BadInput with ``strict``."""
-    from adapterpack.config.device_rules import cache_length_findings
 
     manifest = checked.manifest
     config = checked.base.config.get("text_config") or checked.base.config
@@ -85,7 +83,6 @@ def check_state_sizes(checked: CheckedInputs, *, strict: bool) -> None:
 
 def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
     """``max_context: auto``: the largest context whose weights + KV-cache + activations fit the device."""
-    from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE
     from adapterpack.config.devices import (
         estimated_weight_bytes,
         find_device,
@@ -129,7 +126,6 @@ def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
 
 def hf_name(checked: CheckedInputs) -> str:
     """The name the Swift client uses to look up the tokenizer (``co.huggingface.exporters.name``)."""
-    from adapterpack.config.manifest import looks_like_hub_id
 
     if checked.manifest.base.tokenizer:
         return checked.manifest.base.tokenizer

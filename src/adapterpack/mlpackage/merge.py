@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, SENTINEL
-from adapterpack.mlpackage.metadata import METADATA_PREFIX
+from adapterpack.mlpackage.metadata import METADATA_PREFIX, weights_digest
 from adapterpack.mlpackage.spec import (
     MODEL_FOLDER,
     SPEC_NAME,
@@ -166,7 +166,6 @@ def merge_functions(
     finally:
         blob.close()
     log.debug("merged %d functions: %d weight records written, %d shared", len(parts), blob.count, blob.shared)
-    from adapterpack.mlpackage.metadata import weights_digest
 
     merged.description.defaultFunctionName = default_function
     merged.description.metadata.userDefined.update({k: str(v) for k, v in metadata.items()})

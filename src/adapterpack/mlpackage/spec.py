@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from adapterpack.errors import BadInput
+from adapterpack.quiet import captured_output, import_coreml_proto
 
 MODEL_FOLDER = ("Data", "com.apple.CoreML")
 
@@ -39,7 +40,6 @@ def spec_path(package: Path) -> Path:
 
 def load_spec_file(spec_path: Path):
     """A Core ML model spec file, parsed; BadInput naming the file when it is not one."""
-    from adapterpack.quiet import captured_output, import_coreml_proto
 
     with captured_output():
         spec = import_coreml_proto().Model_pb2.Model()
@@ -62,7 +62,6 @@ def function_names_of_spec(spec) -> list[str]:
 
 
 def value_dtype_name(value_type) -> str:
-    from adapterpack.quiet import import_coreml_proto
 
     return import_coreml_proto().MIL_pb2.DataType.Name(value_type.tensorType.dataType).lower()
 

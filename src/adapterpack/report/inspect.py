@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from adapterpack.config.device_rules import package_findings
+from adapterpack.config.devices import kv_cache_bytes
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.blob import HEADER_BYTES, BlobRecord, read_blob_records
 from adapterpack.mlpackage.spec import (
@@ -48,6 +49,7 @@ from adapterpack.mlpackage.spec import (
     value_dtype_name,
     walk_ops,
 )
+from adapterpack.quiet import import_coreml_proto
 
 UNREFERENCED = "unreferenced"
 
@@ -108,7 +110,6 @@ class ModelShape:
     other_state_bytes: int = 0  # states besides keyCache/valueCache (writtenSlots)
 
     def kv_cache_bytes(self) -> int:
-        from adapterpack.config.devices import kv_cache_bytes
 
         return kv_cache_bytes(self.n_layers, self.n_kv_heads, self.head_dim, self.max_context, self.kv_dtype_bytes)
 
@@ -356,7 +357,6 @@ def _blob_uses(spec, function: str, package: Path, model_folder: Path) -> list[_
 
 def _spec_bytes_by_function(spec, names: list[str]) -> dict[str, int]:
     """Bytes the spec would shrink by without each function (its program and its description)."""
-    from adapterpack.quiet import import_coreml_proto
 
     Model_pb2 = import_coreml_proto().Model_pb2  # noqa: N806 (the generated module's name)
     full = spec.ByteSize()

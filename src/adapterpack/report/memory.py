@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adapterpack.config.devices import activation_bytes, largest_context_that_fits, memory_budget
 from adapterpack.report.inspect import PackageReport
 
 
@@ -30,7 +31,6 @@ def memory_estimate(report: PackageReport) -> MemoryEstimate | None:
     Only one function is loaded at a time (``MLModelConfiguration.functionName``), so the weights
     are those the largest single function references, at their stored (compressed) size.
     """
-    from adapterpack.config.devices import activation_bytes
 
     shape = report.shape
     if shape is None:
@@ -61,7 +61,6 @@ def memory_estimate(report: PackageReport) -> MemoryEstimate | None:
 
 def budget_rows(report, estimate, devices) -> list[dict]:
     """The memory budget per device, with and without the increased-memory-limit entitlement."""
-    from adapterpack.config.devices import largest_context_that_fits, memory_budget
 
     if estimate is None:
         return []

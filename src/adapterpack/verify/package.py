@@ -10,6 +10,8 @@ from pathlib import Path
 
 from adapterpack.config.manifest import Manifest
 from adapterpack.errors import BadInput
+from adapterpack.inputs.checked import check_inputs
+from adapterpack.mlpackage.functions import read_functions
 from adapterpack.mlpackage.metadata import weights_digest
 from adapterpack.verify.executor import DeclaredTypeMismatch
 from adapterpack.verify.metrics import compare_logits, retention
@@ -35,8 +37,6 @@ def verify_package(
     unchanged since a build verified them; those are not run again. The integrity checks
     always run.
     """
-    from adapterpack.inputs.checked import check_inputs
-    from adapterpack.mlpackage.functions import read_functions
 
     package = Path(package)
     listing = read_functions(package)

@@ -12,7 +12,10 @@ from typing import Literal
 import numpy as np
 
 from adapterpack.errors import BadInput
+from adapterpack.mlpackage.functions import read_functions
+from adapterpack.quiet import captured_output, import_coremltools
 from adapterpack.verify.drives import DRIVES, run_drive
+from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,6 @@ Backend = Literal["numpy", "coreml"]
 def numpy_runner(package: Path):
     """Loads one function at a time and drops it after its drives, so the executor holds one
     function's weights, not the package's."""
-    from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
 
     names = ProgramExecutor.function_names_of(package)
 
@@ -48,10 +50,8 @@ def numpy_runner(package: Path):
 def coreml_runner(package: Path):
     if sys.platform != "darwin":
         raise BadInput("--backend coreml needs macOS (the Core ML runtime); use the default numpy backend here")
-    from adapterpack.quiet import captured_output, import_coremltools
 
     ct = import_coremltools()
-    from adapterpack.mlpackage.functions import read_functions
 
     names = read_functions(package).names
 

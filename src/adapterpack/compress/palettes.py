@@ -1,0 +1,172 @@
+"""Palettes of weight groups, owned by the build that uses them.
+
+``PaletteStore`` answers coremltools' custom palettization (one channel group at a time) from
+groups clustered ahead in vectorized batches, and keeps every tensor's palettes on disk (keyed
+by content, settings and algorithm) so a fused function's patch, a later function sharing the
+weight, or a later build reuses them instead of clustering again. The caller owns the store and
+passes it along; nothing here is module state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from adapterpack.compress.kmeans import kmeans_1d, palettize_group
+from adapterpack.config.manifest import Compression
+
+log = logging.getLogger(__name__)
+
+# Bump when the k-means changes, so palettes cached on disk by an older version are not reused.
+PALETTE_ALGORITHM = "kmeans1d-quantile-lloyd-v1"
+# Rows of k-means solved at once: bounds the temporary sort/prefix-sum buffers.
+PRIME_BATCH_VALUES = 1 << 24
+
+Palettes = tuple[np.ndarray, np.ndarray]  # (luts, indices)
+
+
+def grouped_rows(value: np.ndarray, compression: Compression) -> np.ndarray | None:
+    """``value`` as one row per channel group, the way coremltools splits a linear/embedding
+    weight (contiguous blocks of ``group_size`` output channels, axis 0); None if it splits it
+    otherwise (or not at all)."""
+    if value.ndim < 2 or value.dtype.kind != "f":
+        return None
+    rows = value.shape[0] if compression.granularity == "per_tensor" else compression.group_size
+    if not rows or value.shape[0] % rows:
+        return None
+    return np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
+
+
+def _group_key(group: np.ndarray, nbits: int) -> tuple[bytes, int, str, tuple[int, ...]]:
+    return (hashlib.blake2b(group.tobytes(), digest_size=16).digest(), nbits, str(group.dtype), group.shape)
+
+
+class PaletteStore:
+    """Palettes for one build: ``prime`` before coremltools compresses, ``serve`` as its lut
+    function, ``tensor_palettes`` for whole tensors (the weight patch); ``folder`` (optional)
+    keeps them on disk across functions and builds.
+
+        store = PaletteStore(cache / "palettes")
+        compress_model(mlmodel, compression, palettes=store)
+    """
+
+    def __init__(self, folder: Path | None = None):
+        self.folder = Path(folder) if folder is not None else None
+        self._memo: dict[tuple[bytes, int, str, tuple[int, ...]], Palettes] = {}
+
+    def serve(self, group: np.ndarray, nbits: int) -> Palettes:
+        """The palette of one channel group (coremltools' custom ``lut_function``)."""
+        # Served entries leave the memo: coremltools keeps what it is given, and a 1B model's
+        # palettes are over a gigabyte, so holding both would raise the peak by that much. A group
+        # asked for twice (identical values in two tensors) is clustered again, identically.
+        found = self._memo.pop(_group_key(group, nbits), None)
+        if found is None:
+            log.debug("palette memo miss for a group of shape %s", group.shape)
+            found = palettize_group(group, nbits)
+        return found
+
+    def prime(self, weights: dict[str, np.ndarray], compression: Compression) -> int:
+        """Cluster every channel group of ``weights`` in vectorized batches, ahead of coremltools.
+
+        coremltools' custom mode asks for one group at a time; answering each from the memo keeps
+        its op construction while the k-means itself runs batched. Groups coremltools splits
+        differently are simply clustered on demand. Returns the number of groups primed.
+        """
+        nbits = compression.nbits
+        grouped = {name: grouped_rows(value, compression) for name, value in weights.items()}
+        grouped = {name: flat for name, flat in grouped.items() if flat is not None}
+        primed = 0
+        for (name, flat), (luts, indices) in zip(grouped.items(), self.tensor_palettes(list(grouped.values()), nbits)):
+            value = weights[name]
+            group_shape = (value.shape[0] // flat.shape[0], *value.shape[1:])
+            for row in range(flat.shape[0]):
+                group = flat[row].reshape(group_shape)
+                self._memo[_group_key(group, nbits)] = (luts[row].astype(value.dtype), indices[row].reshape(group_shape))
+                primed += 1
+        return primed
+
+    def tensor_palettes(self, flats: list[np.ndarray], nbits: int) -> list[Palettes]:
+        """(luts, indices) of every row of each tensor in ``flats`` (one row per channel group).
+
+        From the disk cache where a previous build clustered the same values; the rest are
+        clustered together, rows of equal length from all tensors in one batch (up to
+        ``PRIME_BATCH_VALUES`` values): a Lloyd step costs about as much for one small tensor as
+        for many, so batching across tensors is what makes the few changed tensors of an adapter
+        quick. Rows are clustered independently, so a row's palette does not depend on what it
+        was batched with.
+        """
+        results: list[Palettes | None] = [self._cached(flat, nbits) for flat in flats]
+        pending: dict[tuple[int, str], list[int]] = {}
+        for index, found in enumerate(results):
+            if found is None:
+                pending.setdefault((flats[index].shape[1], str(flats[index].dtype)), []).append(index)
+        for (length, _), members in pending.items():
+            luts = {i: np.empty((flats[i].shape[0], 1 << nbits), np.float32) for i in members}
+            labels = {i: np.empty(flats[i].shape, np.uint8) for i in members}
+            step = max(1, PRIME_BATCH_VALUES // length)
+            batch: list[tuple[int, int, int]] = []  # (tensor, first row, end row)
+
+            def cluster(batch=batch, luts=luts, labels=labels) -> None:
+                lut, label = kmeans_1d(np.concatenate([flats[i][a:b] for i, a, b in batch]), nbits)
+                offset = 0
+                for i, a, b in batch:
+                    luts[i][a:b], labels[i][a:b] = lut[offset : offset + b - a], label[offset : offset + b - a]
+                    offset += b - a
+                batch.clear()
+
+            filled = 0
+            for i in members:
+                start = 0
+                while start < flats[i].shape[0]:
+                    take = min(flats[i].shape[0] - start, step - filled)
+                    batch.append((i, start, start + take))
+                    start, filled = start + take, filled + take
+                    if filled == step:
+                        cluster()
+                        filled = 0
+            if batch:
+                cluster()
+            for i in members:
+                results[i] = (luts[i], labels[i])
+                self._store(flats[i], nbits, results[i])
+        return results
+
+    def clear(self) -> None:
+        """Forget primed palettes (those on disk stay)."""
+        self._memo.clear()
+
+    def _file(self, flat: np.ndarray, nbits: int) -> Path | None:
+        if self.folder is None:
+            return None
+        digest = hashlib.blake2b(flat.tobytes(), digest_size=20)
+        digest.update(f"{flat.shape}|{flat.dtype}|{nbits}|{PALETTE_ALGORITHM}".encode())
+        return self.folder / f"{digest.hexdigest()}.npz"
+
+    def _cached(self, flat: np.ndarray, nbits: int) -> Palettes | None:
+        cached = self._file(flat, nbits)
+        if cached is None or not cached.is_file():
+            return None
+        try:
+            with np.load(cached, allow_pickle=False) as stored:
+                luts, indices = stored["luts"], stored["indices"]
+            # a damaged entry is recomputed, never used
+            if luts.shape == (flat.shape[0], 1 << nbits) and indices.shape == flat.shape and indices.dtype == np.uint8:
+                if not indices.size or int(indices.max()) < (1 << nbits):
+                    return luts, indices
+        except (OSError, ValueError, KeyError, EOFError):
+            pass
+        cached.unlink(missing_ok=True)
+        return None
+
+    def _store(self, flat: np.ndarray, nbits: int, palettes: Palettes) -> None:
+        cached = self._file(flat, nbits)
+        if cached is None:
+            return
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        temporary = cached.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(temporary, luts=palettes[0], indices=palettes[1])
+        os.replace(temporary, cached)
