@@ -138,6 +138,17 @@ def make_project(root: Path, manifest: str, adapters: dict[str, dict]) -> Path:
     return root
 
 
+def run_cli(*args, cwd: Path | None = None):
+    """``adapterpack ARGS`` in a subprocess (no debug tracebacks), its output captured."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
+    command = [sys.executable, "-m", "adapterpack", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+
+
 def tree_digest(path: Path) -> str:
     """sha256 over a folder's file names and bytes (a package is a folder)."""
     import hashlib

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,14 +13,7 @@ from adapterpack.build.records import BuildOptions
 from adapterpack.config.device_rules import cache_length_findings, package_findings
 from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
-from factories import make_adapter, make_base
-
-CLI = [sys.executable, "-m", "adapterpack"]
-
-
-def run(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+from factories import make_adapter, make_base, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +76,7 @@ def test_build_warns_and_strict_refuses_an_odd_context(project, caplog):
     with caplog.at_level("WARNING"):
         check_state_sizes(check_inputs(project / "odd.yaml"), strict=False)
     assert any("max_context 40 is not a multiple of 32" in r.getMessage() for r in caplog.records)
-    result = run("build", project / "odd.yaml", "--strict", "-o", project / "odd.mlpackage")
+    result = run_cli("build", project / "odd.yaml", "--strict", "-o", project / "odd.mlpackage")
     assert result.returncode == 2, result.stderr
     assert "max_context 40" in result.stderr and "--strict" in result.stderr
     assert result.stderr.strip().count("\n") == 0 and not (project / "odd.mlpackage").exists()
@@ -94,7 +84,7 @@ def test_build_warns_and_strict_refuses_an_odd_context(project, caplog):
 
 def test_inspect_reports_rules_and_strict_fails(project, good_spec, tmp_path):
     package, spec = good_spec
-    result = run("inspect", package, "--json", "--strict")
+    result = run_cli("inspect", package, "--json", "--strict")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["device_rules"] == []
     # The same package with a logits output of the wrong rank.
@@ -106,10 +96,10 @@ def test_inspect_reports_rules_and_strict_fails(project, good_spec, tmp_path):
     for function in bad.description.functions:
         function.output[0].type.multiArrayType.shape.extend([1, 1])
     spec_path(broken).write_bytes(bad.SerializeToString())
-    result = run("inspect", broken, "--json")
+    result = run_cli("inspect", broken, "--json")
     assert result.returncode == 0
     assert [r["rule"] for r in json.loads(result.stdout)["device_rules"]] == ["swift-contract"]
-    result = run("inspect", broken, "--strict")
+    result = run_cli("inspect", broken, "--strict")
     assert result.returncode == 2 and "logits must have rank 3" in result.stderr
 
 

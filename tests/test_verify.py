@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,14 +16,7 @@ from adapterpack.build.records import BuildOptions
 from adapterpack.config.manifest import load_manifest
 from adapterpack.verify.metrics import compare_logits, retention
 from adapterpack.verify.package import verify_package
-from factories import make_adapter, make_base
-
-CLI = [sys.executable, "-m", "adapterpack"]
-
-
-def run(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+from factories import make_adapter, make_base, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +42,7 @@ def float16_package(tmp_path_factory):
 
 def test_verify_cli_passes_good_package(float16_package):
     root, package = float16_package
-    result = run("verify", package, "--manifest", root / "m.yaml", "--json")
+    result = run_cli("verify", package, "--manifest", root / "m.yaml", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["passed"] and [f["name"] for f in report["functions"]] == ["chat", "base"]
@@ -95,7 +86,7 @@ def _alter_weights(package: Path, destination: Path, how: str) -> Path:
 def test_altered_weight_blob_fails_with_exit_3(float16_package, tmp_path, how):
     root, package = float16_package
     altered = _alter_weights(package, tmp_path / "altered.mlpackage", how)
-    result = run("verify", altered, "--manifest", root / "m.yaml")
+    result = run_cli("verify", altered, "--manifest", root / "m.yaml")
     assert result.returncode == 3, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0
@@ -146,7 +137,7 @@ def test_mistyped_program_fails_verify_naming_function_op_and_types(tmp_path, mo
         p for p in report.integrity
         if "function 'chat'" in p and "op 'select'" in p and "declares float16 rank 0 ()" in p and "rank 2" in p
     ], report.integrity
-    result = run("verify", package, "--manifest", tmp_path / "m.yaml")
+    result = run_cli("verify", package, "--manifest", tmp_path / "m.yaml")
     assert result.returncode == 3 and "declared types" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
@@ -174,7 +165,7 @@ def test_saved_type_that_coremltools_disagrees_with_fails_verify(float16_package
     report = verify_package(mistyped, load_manifest(root / "m.yaml"))
     assert [p for p in report.integrity if "function chat" in p and "declares types" in p], report.integrity
     assert not [p for p in report.integrity if "function base" in p], report.integrity  # base is intact
-    result = run("verify", mistyped, "--manifest", root / "m.yaml")
+    result = run_cli("verify", mistyped, "--manifest", root / "m.yaml")
     assert result.returncode == 3 and "declared types" in result.stderr, result.stderr
 
 
@@ -182,7 +173,7 @@ def test_coreml_backend_refused_off_macos(float16_package):
     if sys.platform == "darwin":
         pytest.skip("Core ML is available here")
     root, package = float16_package
-    result = run("verify", package, "--manifest", root / "m.yaml", "--backend", "coreml")
+    result = run_cli("verify", package, "--manifest", root / "m.yaml", "--backend", "coreml")
     assert result.returncode == 2
     assert "needs macOS" in result.stderr
 
