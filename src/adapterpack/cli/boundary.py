@@ -15,6 +15,7 @@ import typer
 
 from adapterpack.cli.render import err, out, verify_table
 from adapterpack.errors import AdapterpackError
+from adapterpack.quiet import silence_libraries
 
 
 def _debug() -> bool:
@@ -30,7 +31,6 @@ def configure_logging(quiet: bool) -> None:
     root.setLevel(level)
     root.propagate = False
     if not _debug():
-        from adapterpack.quiet import silence_libraries
 
         silence_libraries()
 

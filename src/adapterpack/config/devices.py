@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from adapterpack.config.compression import WEIGHT_THRESHOLD, matches_any
 from adapterpack.errors import BadInput
 
 GIB = 1 << 30
@@ -351,7 +352,6 @@ def estimated_weight_bytes(tensors: dict, compression, lora_tensors: dict | None
     linear ones nbits per value plus a float16 scale per block/channel; pruned ones the kept
     float16 values plus a one-bit mask. LoRA matrices (keep mode) are float16.
     """
-    from adapterpack.config.compression import WEIGHT_THRESHOLD, matches_any
 
     total = 0
     for name, info in tensors.items():

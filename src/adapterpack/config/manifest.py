@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from adapterpack.config.devices import find_device
 from adapterpack.errors import BadInput
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -161,7 +162,6 @@ class Export(_Strict):
         if self.max_context == "auto" and not self.target_device:
             raise ValueError("max_context: auto needs target_device (e.g. iphone-15)")
         if self.target_device:
-            from adapterpack.config.devices import find_device
 
             try:
                 find_device(self.target_device)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE, cache_length_findings
+from adapterpack.config.devices import estimated_weight_bytes, find_device, largest_context_that_fits
 from adapterpack.config.families import check_family
 from adapterpack.config.manifest import Manifest, load_manifest, looks_like_hub_id
 from adapterpack.errors import BadInput
@@ -83,12 +84,6 @@ def check_state_sizes(checked: CheckedInputs, *, strict: bool) -> None:
 
 def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
     """``max_context: auto``: the largest context whose weights + KV-cache + activations fit the device."""
-    from adapterpack.config.devices import (
-        estimated_weight_bytes,
-        find_device,
-        largest_context_that_fits,
-    )
-
     config = base.config.get("text_config") or base.config
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
