@@ -93,7 +93,7 @@ class _PartBuilder:
     The base is traced and converted once (the template) and compressed once per compression
     setting (the compressed template). The base function is the compressed template; a fused
     function is a copy of it with the records of the weights its adapter changes replaced
-    (``weight_patch.py``): its fused weights are computed from the targeted tensors alone
+    (``mlpackage.weight_patch``): its fused weights are computed from the targeted tensors alone
     (``lora.fused_weight_changes``) and palettized like the rest, so neither the torch base nor
     the whole program is loaded for it. Keep-mode functions (a different graph) and anything the
     patch cannot match exactly are converted and compressed on their own.

@@ -52,7 +52,7 @@ class PartCache:
         (self.folder / f"{key}{PART_SUFFIX}").write_text(json.dumps(record.as_json(), indent=2, sort_keys=True))
 
     def template(self, key: str) -> Path | None:
-        """A converted (and possibly compressed) base, by key; see ``pipeline._PartBuilder``."""
+        """A converted (and possibly compressed) base, by key; see ``builder._PartBuilder``."""
         package = self.folder / TEMPLATES / f"{key}.mlpackage"
         return package if package.is_dir() and package.with_suffix(".json").is_file() else None
 

@@ -347,7 +347,7 @@ def largest_context_that_fits(
 def estimated_weight_bytes(tensors: dict, compression, lora_tensors: dict | None = None) -> int:
     """Bytes one function's weights will take once compressed, from the base's tensor shapes.
 
-    Mirrors what ``compress.py`` does: tensors under the compression threshold or matching
+    Mirrors what ``compress.model`` does: tensors under the compression threshold or matching
     ``keep_float16`` stay float16; palettized weights cost nbits per value plus float16 palettes;
     linear ones nbits per value plus a float16 scale per block/channel; pruned ones the kept
     float16 values plus a one-bit mask. LoRA matrices (keep mode) are float16.

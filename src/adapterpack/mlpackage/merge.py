@@ -9,7 +9,7 @@ whose dtype and bytes were already written being pointed at instead of written a
 1B model at 4 bits hold over 6 GB as numpy arrays) and re-serializes them; it stays the reference
 that tests compare this merge against.
 
-Weight blob format: see ``inspect_package``. The spec's ``BlobFileValue.offset`` is a record's
+Weight blob format: see ``mlpackage.blob``. The spec's ``BlobFileValue.offset`` is a record's
 metadata offset; a copied record keeps its metadata except the absolute data offset.
 """
 

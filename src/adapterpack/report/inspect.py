@@ -442,7 +442,7 @@ def _tensor_reports(uses: list[_Use], records: dict[tuple[str, int], BlobRecord]
 def _model_shape(spec, function: str) -> ModelShape | None:
     """Layers, kv heads, head_dim and max_context from the keyCache state; vocab/hidden when readable.
 
-    keyCache is (layers, 1, kv_heads, max_context, head_dim), the layout export_decoder.py writes.
+    keyCache is (layers, 1, kv_heads, max_context, head_dim), the layout convert.export_decoder writes.
     """
     description = next((f for f in spec.description.functions if f.name == function), spec.description)
     states = {s.name: s for s in description.state}

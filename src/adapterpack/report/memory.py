@@ -12,7 +12,7 @@ from adapterpack.report.inspect import PackageReport
 
 @dataclass
 class MemoryEstimate:
-    """Run-time memory of the package's heaviest function at its largest call (see devices.py)."""
+    """Run-time memory of the package's heaviest function at its largest call (see config.devices)."""
 
     function: str
     weights_bytes: int

@@ -32,7 +32,7 @@ def verify_package(
 ) -> VerifyReport:
     """Run every function of ``package`` against its PyTorch reference; never raises on a mismatch.
 
-    ``checked`` (pipeline.CheckedInputs) avoids re-validating inputs when called from a build.
+    ``checked`` (inputs.checked.CheckedInputs) avoids re-validating inputs when called from a build.
     ``reuse`` holds passing reports of functions whose parts (inputs, settings, versions) are
     unchanged since a build verified them; those are not run again. The integrity checks
     always run.
