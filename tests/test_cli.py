@@ -214,3 +214,11 @@ def test_bad_input_exit_2_one_line_no_output(project, tmp_path, case):
     assert str(tmp_path / "p") in message, message  # names the offending file
     assert not (tmp_path / "out.mlpackage").exists()
     assert not list(tmp_path.glob(".out.mlpackage*"))
+
+
+def test_version_is_printed():
+    from importlib.metadata import version
+
+    result = run("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"adapterpack {version('adapterpack')}"

@@ -55,6 +55,23 @@ app = typer.Typer(
 log = logging.getLogger("adapterpack")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"adapterpack {version('adapterpack')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit")
+    ] = False,
+) -> None:
+    """Options that come before the command."""
+
+
 _interrupted = False
 
 
