@@ -33,14 +33,12 @@ def convert_decoder(model: torch.nn.Module, *, max_context: int, target: str = "
     """
     ct = import_coremltools()
     decoder = ExportDecoder(model, max_context=max_context, cache_dtype=torch.float16).eval()
-    # Trace with q > 1 and end > q, so neither the prefill nor the cache offset is specialised away.
-    example_len = min(2, max_context)
+    # Trace with q > 1 and end >= q (max_context is at least 2), so neither the prefill nor the
+    # cache offset is specialised away.
     example = (
-        torch.zeros((1, example_len), dtype=torch.int32),
-        torch.zeros((1, 1, example_len, min(example_len + 3, max_context)), dtype=torch.float32),
+        torch.zeros((1, 2), dtype=torch.int32),
+        torch.zeros((1, 1, 2, min(5, max_context)), dtype=torch.float32),
     )
-    if example[1].shape[-1] < example_len:  # max_context 1
-        example = (example[0][:, :1], torch.zeros((1, 1, 1, 1)))
     with torch.no_grad(), captured_output():
         traced = torch.jit.trace(decoder, example, check_trace=False)
     length = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)

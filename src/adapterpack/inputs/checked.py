@@ -74,19 +74,27 @@ def check_state_sizes(checked: CheckedInputs, *, strict: bool) -> None:
     a warning, or BadInput with ``strict``."""
 
     manifest = checked.manifest
-    config = checked.base.config.get("text_config") or checked.base.config
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    for finding in cache_length_findings(int(manifest.export.max_context), int(head_dim), str(manifest.source)):
+    head_dim = _head_dim(_text_config(checked.base))
+    for finding in cache_length_findings(int(manifest.export.max_context), head_dim, str(manifest.source)):
         if strict:
             raise BadInput(f"{finding.line()} (an error with --strict)")
         log.warning("%s", finding.line())
 
 
+def _text_config(base: BaseInfo) -> dict:
+    """The decoder's config (multimodal configs nest it under ``text_config``)."""
+    return base.config.get("text_config") or base.config
+
+
+def _head_dim(config: dict) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
 def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
     """``max_context: auto``: the largest context whose weights + KV-cache + activations fit the device."""
-    config = base.config.get("text_config") or base.config
+    config = _text_config(base)
     heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    head_dim = _head_dim(config)
     largest = 0
     for name in manifest.function_names:
         info = adapters.get(name)

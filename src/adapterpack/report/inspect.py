@@ -439,6 +439,10 @@ def _tensor_reports(uses: list[_Use], records: dict[tuple[str, int], BlobRecord]
     return sorted(grouped.values(), key=lambda t: (-t.bytes, t.names[0]))
 
 
+# Bytes per element of a state's ArrayFeatureType data type (FLOAT16, FLOAT32).
+_STATE_DTYPE_BYTES = {65552: 2, 65568: 4}
+
+
 def _model_shape(spec, function: str) -> ModelShape | None:
     """Layers, kv heads, head_dim and max_context from the keyCache state; vocab/hidden when readable.
 
@@ -453,12 +457,12 @@ def _model_shape(spec, function: str) -> ModelShape | None:
     dims = list(array.shape)
     if len(dims) != 5:
         return None
-    dtype_bytes = {65552: 2, 65568: 4}.get(array.dataType, 2)  # FLOAT16, FLOAT32
+    dtype_bytes = _STATE_DTYPE_BYTES.get(array.dataType, 2)
     other = 0
     for name, state in states.items():
         if name not in ("keyCache", "valueCache"):
             array_type = state.type.stateType.arrayType
-            other += math.prod(int(d) for d in array_type.shape) * {65552: 2, 65568: 4}.get(array_type.dataType, 2)
+            other += math.prod(int(d) for d in array_type.shape) * _STATE_DTYPE_BYTES.get(array_type.dataType, 2)
     shape = ModelShape(
         n_layers=int(dims[0]), n_kv_heads=int(dims[2]), head_dim=int(dims[4]), max_context=int(dims[3]),
         kv_dtype_bytes=dtype_bytes, other_state_bytes=other,

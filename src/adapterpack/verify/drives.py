@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,3 +55,12 @@ def run_drive(predict, tokens: np.ndarray, prefill: int, drive: str) -> np.ndarr
         step = tokens[end - 1 : end].astype(np.int32)[None, :]
         outputs.append(predict(step, _drive_masks(drive, end - 1, 1)))
     return np.concatenate([o.reshape(1, -1, o.shape[-1]) for o in outputs], axis=1)[0].astype(np.float32)
+
+
+Predict = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (inputIds, causalMask) -> logits
+
+
+def run_drives(session: Callable[[], Predict], tokens: np.ndarray, prefill: int) -> dict[str, np.ndarray]:
+    """Logits of every drive, each through a fresh state: ``session()`` returns a predict
+    function bound to a new state (what ``makeState()`` gives a client)."""
+    return {drive: run_drive(session(), tokens, prefill, drive) for drive in DRIVES}

@@ -14,7 +14,7 @@ import numpy as np
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.functions import read_functions
 from adapterpack.quiet import captured_output, import_coremltools
-from adapterpack.verify.drives import DRIVES, run_drive
+from adapterpack.verify.drives import run_drives
 from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
 
 log = logging.getLogger(__name__)
@@ -34,15 +34,13 @@ def numpy_runner(package: Path):
             executor = ProgramExecutor.load(package, functions=[function])
         except UnsupportedOp as error:
             raise BadInput(f"{package}: {error}") from None
-        logits = {}
-        for drive in DRIVES:
+        def session():
             state = executor.make_state(function)
+            return lambda ids, mask: executor.predict(
+                {"inputIds": ids, "causalMask": mask}, state=state, function=function
+            )["logits"]
 
-            def predict(ids, mask, state=state):
-                return executor.predict({"inputIds": ids, "causalMask": mask}, state=state, function=function)["logits"]
-
-            logits[drive] = run_drive(predict, tokens, prefill, drive)
-        return logits
+        return run_drives(session, tokens, prefill)
 
     return run, names
 
@@ -58,14 +56,10 @@ def coreml_runner(package: Path):
     def run(function: str, tokens: np.ndarray, prefill: int) -> dict[str, np.ndarray]:
         with captured_output():
             model = ct.models.MLModel(str(package), function_name=function, compute_units=ct.ComputeUnit.CPU_AND_NE)
-        logits = {}
-        for drive in DRIVES:
+        def session():
             state = model.make_state()
+            return lambda ids, mask: model.predict({"inputIds": ids, "causalMask": mask}, state=state)["logits"]
 
-            def predict(ids, mask, state=state):
-                return model.predict({"inputIds": ids, "causalMask": mask}, state=state)["logits"]
-
-            logits[drive] = run_drive(predict, tokens, prefill, drive)
-        return logits
+        return run_drives(session, tokens, prefill)
 
     return run, names

@@ -73,9 +73,7 @@ class _Declared:
 
     def mismatch(self, value: np.ndarray) -> str | None:
         """Why ``value`` does not fit this declaration, or None when it does."""
-        if len(value.shape) != len(self.dims) or any(
-            want is not None and want != got for want, got in zip(self.dims, value.shape)
-        ):
+        if not _shape_fits(value.shape, self.dims):
             return "shape"
         # The interpreter widens float16 to float32 inside fused kernels (see ``_f32``), so a
         # float is checked as a float, an integer as an integer and a bool as a bool.
@@ -130,8 +128,7 @@ def _declared_of_var(var: Any) -> _Declared | None:
 
     if not types.is_tensor(var.sym_type) and not types.is_scalar(var.sym_type):
         return None
-    dims = tuple(d if isinstance(d, (int, np.integer)) else None for d in var.shape)
-    return _Declared(_declared_dtype(var), dims)
+    return _Declared(_declared_dtype(var), _concrete_shape(var.shape))
 
 
 @dataclass
@@ -165,6 +162,11 @@ def _declared_dtype(var: Any) -> Any:
 
 def _concrete_shape(shape: Sequence[Any]) -> tuple[int | None, ...]:
     return tuple(d if isinstance(d, (int, np.integer)) else None for d in shape)
+
+
+def _shape_fits(shape: Sequence[int], dims: Sequence[int | None]) -> bool:
+    """Same rank, and every static dim (not None) equal."""
+    return len(shape) == len(dims) and all(want is None or want == got for want, got in zip(dims, shape))
 
 
 def _const_value(var: Any) -> Any:
@@ -365,9 +367,7 @@ class ProgramExecutor:
     @staticmethod
     def _check_input(function: str, spec: _InputSpec, value: Any) -> np.ndarray:
         arr = np.asarray(value)
-        if len(arr.shape) != len(spec.shape) or any(
-            want is not None and want != got for want, got in zip(spec.shape, arr.shape)
-        ):
+        if not _shape_fits(arr.shape, spec.shape):
             shown = tuple("?" if d is None else d for d in spec.shape)
             raise ValueError(
                 f"input {spec.name!r} of function {function!r} has shape {arr.shape}, expected {shown}"
