@@ -4,25 +4,14 @@ exit 2, one line, no traceback and no output written."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from adapterpack.build.records import BuildOptions
-from factories import make_adapter, make_base
-
-CLI = [sys.executable, "-m", "adapterpack"]
-
-
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
-
+from factories import make_adapter, make_base, run_cli
 
 MANIFEST = """name: tiny
 base:
@@ -58,7 +47,7 @@ def project(tmp_path_factory) -> Path:
 def built(project) -> Path:
     # Random tiny weights do not survive 4-bit palettization well enough for the verify
     # thresholds (those are checked on real weights); this package is about structure.
-    result = run("build", project / "tiny.yaml", "--quiet", "--no-verify")
+    result = run_cli("build", project / "tiny.yaml", "--quiet", "--no-verify")
     assert result.returncode == 0, result.stderr
     return project / "out" / "tiny.mlpackage"
 
@@ -66,7 +55,7 @@ def built(project) -> Path:
 def test_build_writes_one_multifunction_package(built, project):
     assert built.is_dir()
     assert not list(built.parent.glob(".*staging*")), "staging folders must not be left behind"
-    result = run("functions", built, "--json")
+    result = run_cli("functions", built, "--json")
     assert result.returncode == 0, result.stderr
     listing = json.loads(result.stdout)
     assert [f["name"] for f in listing["functions"]] == ["chat", "code", "plain"]
@@ -105,16 +94,16 @@ def test_package_is_deduplicated(project, tmp_path):
 
 
 def test_expect_guards_swift_function_names(built):
-    ok = run("functions", built, "--expect", "plain,chat,code")
+    ok = run_cli("functions", built, "--expect", "plain,chat,code")
     assert ok.returncode == 0, ok.stderr
-    bad = run("functions", built, "--expect", "chat,coder")
+    bad = run_cli("functions", built, "--expect", "chat,coder")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0
     assert "missing coder" in bad.stderr and "unexpected code, plain" in bad.stderr
 
 
 def test_swift_enum(built):
-    result = run("functions", built, "--swift")
+    result = run_cli("functions", built, "--swift")
     assert result.returncode == 0
     assert 'case chat = "chat"' in result.stdout
     assert 'case plain = "plain"' in result.stdout
@@ -123,17 +112,17 @@ def test_swift_enum(built):
 
 def test_existing_output_needs_force(built, project):
     before = built.stat().st_mtime_ns
-    refused = run("build", project / "tiny.yaml", "--quiet", "--no-verify")
+    refused = run_cli("build", project / "tiny.yaml", "--quiet", "--no-verify")
     assert refused.returncode == 2
     assert "--force" in refused.stderr
     assert built.stat().st_mtime_ns == before
 
 
 def test_validate_and_schema(project):
-    result = run("validate", project / "tiny.yaml")
+    result = run_cli("validate", project / "tiny.yaml")
     assert result.returncode == 0, result.stderr
     assert "3 function(s)" in result.stdout
-    schema = run("schema")
+    schema = run_cli("schema")
     assert schema.returncode == 0 and json.loads(schema.stdout)["title"] == "adapterpack manifest"
 
 
@@ -206,7 +195,7 @@ BAD_CASES = [
 @pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_input_exit_2_one_line_no_output(project, tmp_path, case):
     manifest = _corrupt(project, tmp_path, case)
-    result = run("build", manifest, "-o", tmp_path / "out.mlpackage")
+    result = run_cli("build", manifest, "-o", tmp_path / "out.mlpackage")
     assert result.returncode == 2, (case, result.stdout, result.stderr)
     message = result.stderr.strip()
     assert message.count("\n") == 0, message
@@ -219,6 +208,6 @@ def test_bad_input_exit_2_one_line_no_output(project, tmp_path, case):
 def test_version_is_printed():
     from importlib.metadata import version
 
-    result = run("--version")
+    result = run_cli("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"adapterpack {version('adapterpack')}"
