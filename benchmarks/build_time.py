@@ -39,17 +39,28 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # The published Llama-3.2-3B shape (3.21B parameters).
+    "3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+               num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # The published Llama-3.1-8B shape (8.0B parameters, untied embeddings).
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
 ADAPTERS = ("a1", "a2", "a3", "a4")
 
 
-def make_inputs(root: Path, shape: str) -> Path:
-    """Base and adapters (made once, see ``make_models``) and the manifest."""
+def make_inputs(root: Path, shape: str, lora: str = "fuse") -> Path:
+    """Base and adapters (made once, see ``make_models``) and the manifest (``lora``: fuse or keep)."""
     if not (root / ADAPTERS[-1] / "adapter_config.json").exists():
         make_models(root, shape)
     adapters = "".join(f"  - {{name: {n}, path: {n}}}\n" for n in ADAPTERS)
-    (root / "m.yaml").write_text(
-        "name: bench\nbase: {path: base}\nadapters:\n" + adapters
+    manifest = root / ("m.yaml" if lora == "fuse" else f"m-{lora}.yaml")
+    manifest.write_text(
+        f"name: bench\nbase: {{path: base}}\nlora: {lora}\nadapters:\n" + adapters
         + "export: {max_context: 256}\n"
         # Everything palettized, embeddings included, exactly as the baseline does it.
         + "compression: {method: palettize, nbits: 4, granularity: per_grouped_channel, group_size: 16,"
@@ -58,7 +69,7 @@ def make_inputs(root: Path, shape: str) -> Path:
         # the benchmark times verification, it does not judge these weights.
         + "verify: {min_top1: 0.2, min_cosine: 0.9, min_retention: 0.5}\n"
     )
-    return root / "m.yaml"
+    return manifest
 
 
 def make_models(root: Path, shape: str) -> None:
@@ -69,7 +80,10 @@ def make_models(root: Path, shape: str) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(max_position_embeddings=2048, **SHAPES[shape])
-    model = LlamaForCausalLM(config).to(torch.float16)
+    # Created in float16: an 8B model in float32 alone would be 32 GB.
+    torch.set_default_dtype(torch.float16)
+    model = LlamaForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
     model.save_pretrained(root / "base", safe_serialization=True)
     for index, name in enumerate(ADAPTERS):
         peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
@@ -167,7 +181,8 @@ def peak_rss_of(command: list[str], timeout: float | None) -> dict:
         "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)"
     ), *command]
     started = time.perf_counter()
-    process = subprocess.Popen(wrapper, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # stderr passes through: the builds' progress lines show how a long run is going
+    process = subprocess.Popen(wrapper, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
     sampled = [0.0]
 
     def sample() -> None:
@@ -177,7 +192,7 @@ def peak_rss_of(command: list[str], timeout: float | None) -> dict:
 
     threading.Thread(target=sample, daemon=True).start()
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        stdout, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, _ = process.communicate()
@@ -188,7 +203,7 @@ def peak_rss_of(command: list[str], timeout: float | None) -> dict:
     _, kib, code = line.split()
     finished = code == "0"
     if not finished:
-        print(stdout[-3000:], stderr[-3000:], file=sys.stderr)
+        print(stdout[-3000:], file=sys.stderr)
     return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_gib": round(int(kib) / 2**20, 2), "finished": finished}
 
 
@@ -223,28 +238,59 @@ def size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="25m")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/adapterpack-bench"))
-    parser.add_argument("--baseline-timeout", type=float, default=None, help="cut the baseline off after N seconds")
-    parser.add_argument("--skip-baseline", action="store_true")
-    parser.add_argument("--with-verify", action="store_true", help="also time full and rebuild with verification on")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+def machine() -> dict:
+    """What the figures were measured on: they mean little without it."""
+    import platform
 
-    root = args.work / args.shape
+    import numpy
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    memory = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal")), 0)
+    info = {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(memory / 2**20, 1),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS") if k in os.environ},
+    }
+    try:
+        from threadpoolctl import threadpool_info
+
+        info["numpy_threads"] = {pool["internal_api"]: pool["num_threads"] for pool in threadpool_info()}
+    except ImportError:
+        pass
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    info["adapterpack_commit"] = commit.stdout.strip() or None
+    return info
+
+
+def run_shape(args, shape: str) -> dict:
+    """Every figure of one shape, in one place."""
+    root = args.work / shape
     root.mkdir(parents=True, exist_ok=True)
-    manifest = make_inputs(root, args.shape)
-    figures: dict = {"shape": args.shape}
+    manifest = make_inputs(root, shape)
+    figures: dict = {"shape": shape}
 
     for stale in (root / "out", root / ".adapterpack-cache"):
         shutil.rmtree(stale, ignore_errors=True)
     ours = root / "out" / "ours.mlpackage"
     figures.update(full_and_rebuild(root, manifest, ours, verify=False))
     figures["adapterpack_bytes"] = size(ours)
+    cli = str(Path(PYTHON).parent / "adapterpack")
+    if args.verify_package:  # verify alone: its own peak, apart from the build's
+        figures["adapterpack_verify"] = peak_rss_of([cli, "verify", str(ours), "--manifest", str(manifest)], None)
     if args.with_verify:  # the default build verifies every function; unchanged ones keep their verdict
         figures.update(full_and_rebuild(root, manifest, root / "out" / "verified.mlpackage", verify=True))
+    if args.keep:
+        kept = make_inputs(root, shape, lora="keep")
+        figures["keep"] = full_and_rebuild(root, kept, root / "out" / "kept.mlpackage", verify=False)
+        figures["keep"]["adapterpack_bytes"] = size(root / "out" / "kept.mlpackage")
 
     if not args.skip_baseline:
         script = root / "baseline.py"
@@ -259,10 +305,28 @@ def main() -> None:
             figures["size_ratio"] = round(figures["adapterpack_bytes"] / figures["baseline_bytes"], 3)
         else:
             figures["speedup"] = f">{round(figures['baseline_full']['seconds'] / figures['adapterpack_full']['seconds'], 2)} (baseline cut off)"
+    print(json.dumps(figures, indent=2), flush=True)
+    return figures
 
-    print(json.dumps(figures, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["25m"], help="one or more, run in this order")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/adapterpack-bench"))
+    parser.add_argument("--baseline-timeout", type=float, default=None, help="cut the baseline off after N seconds")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--with-verify", action="store_true", help="also time full and rebuild with verification on")
+    parser.add_argument("--verify-package", action="store_true", help="also time `adapterpack verify` of the built package")
+    parser.add_argument("--keep", action="store_true", help="also time full and rebuild with lora: keep")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    report = {"machine": machine(), "runs": []}
+    for shape in args.shape:
+        report["runs"].append(run_shape(args, shape))
+        if args.json:  # written after every shape: a long run keeps what it measured
+            args.json.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report["machine"], indent=2))
 
 
 if __name__ == "__main__":

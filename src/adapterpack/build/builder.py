@@ -15,7 +15,7 @@ from adapterpack.inputs.checked import CheckedInputs, hf_name
 from adapterpack.mlpackage.merge import merge_functions
 from adapterpack.mlpackage.metadata import library_versions, package_metadata
 from adapterpack.mlpackage.weight_patch import TensorChange, patch_weights
-from adapterpack.quiet import captured_output, import_coremltools
+from adapterpack.quiet import captured_output
 
 log = logging.getLogger(__name__)
 
@@ -160,16 +160,12 @@ class _PartBuilder:
                 self._save(mlmodel, path)
                 del mlmodel
         else:
-            from adapterpack.compress.model import compress_model
+            from adapterpack.compress.model import compress_package
 
             source = self.template(None)
             self.release_base()
-            with self.reporter.stage(f"base: compress ({compression.describe()}, once for all functions)"):
-                with captured_output():
-                    mlmodel = import_coremltools().models.MLModel(str(source), skip_model_load=True)
-                mlmodel = compress_model(mlmodel, compression, palettes=self.palettes)
-                self._save(mlmodel, path)
-                del mlmodel
+            with self.reporter.progress(f"base: compress ({compression.describe()}, once for all functions)") as update:
+                compress_package(source, path, compression, palettes=self.palettes, progress=update)
         if cached is None and self.cache is not None:
             self.cache.put_template(key, path, self.checked.base.content_hash)
         self._templates[key] = path
@@ -187,13 +183,16 @@ class _PartBuilder:
         from adapterpack.compress.model import palettized_records
 
         pairs = [(old.numpy(), new.numpy()) for old, new in changes.values()]
-        tensor_changes = [TensorChange.float16(old, new) for old, new in pairs]
-        if compression is not None and compression.method == "palettize":
-            # all changed tensors at once: their k-means runs batched
-            records = palettized_records([value for pair in pairs for value in pair], compression, self.palettes)
-            for change, before, after in zip(tensor_changes, records[0::2], records[1::2]):
-                if before is not None and after is not None:
-                    change.encodings.insert(0, [(dtype, b, a) for (dtype, b), (_, a) in zip(before, after)])
+        palettized = compression is not None and compression.method == "palettize"
+        # old and new values of every changed tensor, clustered in order on both cores
+        records = palettized_records([value for pair in pairs for value in pair], compression, self.palettes) if palettized else None
+        tensor_changes = []
+        for old, new in pairs:
+            change = TensorChange.float16(old, new)  # as stored when kept float16
+            before, after = (next(records), next(records)) if records is not None else (None, None)
+            if before is not None and after is not None:
+                change.encodings.insert(0, [(dtype, b, a) for (dtype, b), (_, a) in zip(before, after)])
+            tensor_changes.append(change)
         return patch_weights(source, target, tensor_changes)
 
     def build(self, name: str, target: Path) -> None:
@@ -223,17 +222,14 @@ class _PartBuilder:
     def _build_whole(self, name: str, adapter, mode: str, compression, changes: dict | None, target: Path) -> None:
         """One function converted (or patched uncompressed) and compressed on its own."""
 
-        from adapterpack.compress.model import compress_model
+        from adapterpack.compress.model import compress_package
         from adapterpack.convert.base_model import stored_weight_reader
         from adapterpack.convert.lora import applied_adapter
 
         manifest = self.checked.manifest
         lora_compression = manifest.lora_compression if mode == "keep" else None
-        patched = self.workdir / f".{name}.patched.mlpackage"
-        if changes is not None and self._patched(changes, None, self.template(None), patched):
-            with captured_output():
-                mlmodel = import_coremltools().models.MLModel(str(patched), skip_model_load=True)
-        else:
+        converted = self.workdir / f".{name}.converted.mlpackage"
+        if changes is None or not self._patched(changes, None, self.template(None), converted):
             with self.reporter.stage(f"{name}: trace and convert"):
                 with applied_adapter(
                     self.base,
@@ -243,12 +239,12 @@ class _PartBuilder:
                     original_weight=stored_weight_reader(self.checked.base),
                 ) as model:
                     mlmodel = self._convert(model)
+                self._save(mlmodel, converted)
+                del mlmodel
         self.release_base()
-        with self.reporter.stage(f"{name}: compress ({compression.describe()})"):
-            mlmodel = compress_model(mlmodel, compression, lora_compression, palettes=self.palettes)
-        self._save(mlmodel, target)
-        del mlmodel
-        shutil.rmtree(patched, ignore_errors=True)
+        with self.reporter.progress(f"{name}: compress ({compression.describe()})") as update:
+            compress_package(converted, target, compression, lora_compression, palettes=self.palettes, progress=update)
+        shutil.rmtree(converted, ignore_errors=True)
 
     def close(self) -> None:
         self.release_base()

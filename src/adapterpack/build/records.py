@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +22,52 @@ class Reporter:
     def stage(self, label: str) -> contextlib.AbstractContextManager[None]:
         return _logged_stage(label)
 
+    def progress(self, label: str, unit: str = "weights") -> contextlib.AbstractContextManager[Callable[[int, int], None]]:
+        """A stage that reports how far it is: yields ``update(done, total)``."""
+        return _logged_progress(label, unit)
+
     def info(self, message: str) -> None:
         log.info(message)
+
+
+# Long stages say how far they are at least this often where nobody watches a live display.
+PROGRESS_LINE_SECONDS = 30.0
+
+
+class ProgressLines:
+    """``update(done, total)`` that prints a line with the rate and the time left, at most every
+    ``every`` seconds (and never more than once per call)."""
+
+    def __init__(self, label: str, unit: str, emit: Callable[[str], None], every: float = PROGRESS_LINE_SECONDS):
+        self.label, self.unit, self.emit, self.every = label, unit, emit, every
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every or not total:
+            return
+        self.last = now
+        self.emit(f"{self.label}: {progress_text(done, total, now - self.started, self.unit)}")
+
+
+def progress_text(done: int, total: int, seconds: float, unit: str) -> str:
+    """'1.2G / 3.2G weights (38%), 21.0M/s, about 95 s left'."""
+    rate = done / seconds if seconds > 0 else 0.0
+    left = f", about {(total - done) / rate:.0f} s left" if rate > 0 and done < total else ""
+    return f"{_count(done)} / {_count(total)} {unit} ({100 * done / total:.0f}%), {_count(rate)}/s{left}"
+
+
+def _count(value: float) -> str:
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+@contextlib.contextmanager
+def _logged_progress(label: str, unit: str) -> Iterator[Callable[[int, int], None]]:
+    with _logged_stage(label):
+        yield ProgressLines(label, unit, log.info)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from adapterpack.build.records import ProgressLines, progress_text
 from adapterpack.verify.reports import REUSED_NOTE
 
 # CI logs are not terminals; rich would wrap tables at 80 columns there.
@@ -43,6 +45,30 @@ class ConsoleReporter:
             err.print(f"[green]✓[/] {label} [dim]({seconds:.1f} s)[/]", highlight=False)
         else:  # CI logs: still one line per stage
             print(f"{label} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def progress(self, label: str, unit: str = "weights") -> Iterator:
+        """A bar with the rate and time left on a terminal; elsewhere (CI, --quiet) a line every
+        PROGRESS_LINE_SECONDS, so a long stage is never minutes of silence."""
+        if not self.live:
+            with self.stage(label):
+                yield ProgressLines(label, unit, lambda line: print(line, file=sys.stderr, flush=True))
+            return
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[text]}"),
+        )
+        started = time.perf_counter()
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task(label, total=None, text="")
+
+            def update(done: int, total: int) -> None:
+                text = progress_text(done, total, time.perf_counter() - started, unit) if total else ""
+                bar.update(task, completed=done, total=total or None, text=text)
+
+            yield update
+        err.print(f"[green]✓[/] {label} [dim]({time.perf_counter() - started:.1f} s)[/]", highlight=False)
 
     def info(self, message: str) -> None:
         if not self.quiet:

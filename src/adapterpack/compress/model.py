@@ -13,7 +13,9 @@ In ``lora: keep`` functions the LoRA A/B matrices are compressed separately from
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -131,33 +133,64 @@ def compress_model(
     return mlmodel
 
 
+def compress_package(
+    source: Path,
+    target: Path,
+    compression: Compression,
+    lora_compression: Compression | None = None,
+    palettes: PaletteStore | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Write package ``target``: package ``source`` (one function) compressed as the manifest says.
+
+    Palettization streams record by record (``program.palettize_program``) whenever it can;
+    other methods, and the rare layouts it leaves to coremltools, load the program into
+    coremltools. ``progress(done, total)`` counts weight values (streaming path only).
+    """
+    from adapterpack.compress.program import palettize_program
+
+    lora_compression = lora_compression or Compression(method="none")
+    if compression.method == "none" and lora_compression.method == "none":
+        shutil.copytree(source, target)
+        return
+    palettes = palettes if palettes is not None else PaletteStore()
+    if compression.method == "palettize" and lora_compression.method == "none":
+        keep = (*ALWAYS_FLOAT16, *compression.keep_float16, *LORA_PATTERNS)
+        if palettize_program(source, target, compression, palettes, kept_float16=lambda name: matches_any(name, keep), progress=progress):
+            return
+    ct = import_coremltools()
+    with captured_output():
+        mlmodel = ct.models.MLModel(str(source), skip_model_load=True)
+    mlmodel = compress_model(mlmodel, compression, lora_compression, palettes=palettes)
+    with captured_output():
+        mlmodel.save(str(target))
+
+
 def palettized_records(
     values: list[np.ndarray], compression: Compression, palettes: PaletteStore
-) -> list[list[tuple[str, bytes]] | None]:
-    """For each weight, the blob records coremltools writes for it palettized as ``compression``
-    says: [(blob dtype, bytes)] of the indices (packed n-bit, weight order) and the float16
-    palette; None for a weight coremltools would not palettize this way.
+) -> Iterator[list[tuple[str, bytes]] | None]:
+    """For each weight in turn, the blob records coremltools writes for it palettized as
+    ``compression`` says: [(blob dtype, bytes)] of the indices (packed n-bit, weight order) and
+    the float16 palette; None for a weight coremltools would not palettize this way.
 
-    Uses the same palettes ``compress_model`` gives coremltools (``palettes``, disk cache
-    included), so a fused function can be patched at the compressed level. Callers check the
-    result by finding the base weight's records in a compressed package, so a layout mismatch is
-    a miss, never a wrong patch.
+    Uses the same palettes the build compresses with (``palettes``, disk cache included), so a
+    fused function can be patched at the compressed level; the k-means runs on both cores
+    (``PaletteStore.in_order``). Callers check the result by finding the base weight's records
+    in a compressed package, so a layout mismatch is a miss, never a wrong patch.
     """
-    if compression.method != "palettize":
-        return [None] * len(values)
-    import_coremltools()
-    from coremltools.optimize._utils import pack_elements_into_bits
+    from adapterpack.compress.program import pack_indices
 
-    flats = [grouped_rows(value, compression) if value.dtype == np.float16 else None for value in values]
-    present = [i for i, flat in enumerate(flats) if flat is not None]
-    found = dict(zip(present, palettes.tensor_palettes([flats[i] for i in present], compression.nbits)))
+    if compression.method != "palettize":
+        yield from [None] * len(values)
+        return
+    present = [i for i, value in enumerate(values) if value.dtype == np.float16 and grouped_rows(value, compression) is not None]
+    found = palettes.in_order(
+        [values[i].size for i in present], lambda k: grouped_rows(values[present[k]], compression), compression.nbits
+    )
     index_dtype = "uint8" if compression.nbits == 8 else f"uint{compression.nbits}"
-    records: list[list[tuple[str, bytes]] | None] = []
     for i in range(len(values)):
-        if i not in found:
-            records.append(None)
+        if i not in present:
+            yield None
             continue
-        luts, indices = found[i]
-        packed = pack_elements_into_bits(indices.reshape(-1), compression.nbits)
-        records.append([(index_dtype, packed.tobytes()), ("float16", luts.astype(np.float16).tobytes())])
-    return records
+        luts, indices = next(found)
+        yield [(index_dtype, pack_indices(indices, compression.nbits).tobytes()), ("float16", luts.astype(np.float16).tobytes())]

@@ -9,9 +9,14 @@ passes it along; nothing here is module state.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +31,24 @@ PALETTE_ALGORITHM = "kmeans1d-quantile-lloyd-v1"
 # Rows of k-means solved at once: bounds the temporary sort/prefix-sum buffers.
 PRIME_BATCH_VALUES = 1 << 24
 
+# Batches clustered at once by ``in_order``: one per core of the machines builds run on.
+PALETTE_WORKERS = 2
+
 Palettes = tuple[np.ndarray, np.ndarray]  # (luts, indices)
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    """Torch's own threads limited while the palette workers run: two workers of two threads
+    each on two cores only contend."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def grouped_rows(value: np.ndarray, compression: Compression) -> np.ndarray | None:
@@ -135,6 +157,41 @@ class PaletteStore:
                 self._store(flats[i], nbits, results[i])
         return results
 
+    def in_order(self, sizes: list[int], grouped: Callable[[int], np.ndarray], nbits: int) -> Iterator[Palettes]:
+        """Palettes of tensors 0, 1, ... (``sizes``: their value counts; ``grouped(i)``: tensor
+        i's rows, read only when its batch starts), yielded in order.
+
+        Consecutive tensors are clustered together in batches of about ``PRIME_BATCH_VALUES``
+        values, ``PALETTE_WORKERS`` batches at a time on their own threads (torch and numpy
+        release the GIL in the k-means), while the caller writes what is ready: so both cores
+        work, and at most that many batches are held at once.
+        """
+        batches: list[list[int]] = []
+        filled = PRIME_BATCH_VALUES
+        for index, size in enumerate(sizes):
+            if filled >= PRIME_BATCH_VALUES:
+                batches.append([])
+                filled = 0
+            batches[-1].append(index)
+            filled += size
+
+        def cluster(batch: list[int]) -> list[Palettes]:
+            return self.tensor_palettes([grouped(i) for i in batch], nbits)
+
+        if len(batches) <= 1:
+            for batch in batches:
+                yield from cluster(batch)
+            return
+        with _torch_threads(1), ThreadPoolExecutor(PALETTE_WORKERS) as pool:
+            waiting = iter(batches[PALETTE_WORKERS:])
+            running = deque(pool.submit(cluster, batch) for batch in batches[:PALETTE_WORKERS])
+            while running:
+                done = running.popleft().result()
+                following = next(waiting, None)
+                if following is not None:
+                    running.append(pool.submit(cluster, following))
+                yield from done
+
     def clear(self) -> None:
         """Forget primed palettes (those on disk stay)."""
         self._memo.clear()
@@ -167,6 +224,6 @@ class PaletteStore:
         if cached is None:
             return
         cached.parent.mkdir(parents=True, exist_ok=True)
-        temporary = cached.with_suffix(f".{os.getpid()}.tmp.npz")
+        temporary = cached.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp.npz")
         np.savez(temporary, luts=palettes[0], indices=palettes[1])
         os.replace(temporary, cached)

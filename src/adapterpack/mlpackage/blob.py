@@ -90,3 +90,66 @@ def read_blob_records(package: Path, name: str) -> list[BlobRecord]:
     if len(records) != count:
         raise BadInput(f"{path}: header says {count} weight records, found {len(records)}")
     return records
+
+
+BLOB_DTYPE_CODES = {name: code for code, name in BLOB_DTYPES.items()}
+
+
+def record_at(handle, offset: int) -> tuple[str, int, int]:
+    """(blob dtype, data offset, size in bytes) of the record whose metadata block is at ``offset``
+    (what a BlobFileValue names) in an open blob file; BadInput when there is none."""
+    handle.seek(offset)
+    metadata = handle.read(METADATA_BYTES)
+    if len(metadata) < METADATA_BYTES:
+        raise BadInput(f"{handle.name}: truncated weight record at byte {offset}")
+    sentinel, dtype, length, data_offset = struct.unpack_from("<IIQQ", metadata)
+    if sentinel != SENTINEL:
+        raise BadInput(f"{handle.name}: no weight record at byte {offset} (sentinel {sentinel:#x})")
+    return BLOB_DTYPES.get(dtype, f"dtype {dtype}"), data_offset, length
+
+
+class BlobWriter:
+    """Writes a weight blob record by record, in the layout coremltools' own writer produces
+    (so a program written this way is byte-identical to one coremltools saves).
+
+        with BlobWriter(path) as blob:
+            offset = blob.write("float16", data)   # what the BlobFileValue names
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._handle = self.path.open("wb")
+        self._handle.write(bytes(HEADER_BYTES))  # the record count is known at the end
+        self._position = HEADER_BYTES
+        self.count = 0
+
+    def write(self, dtype: str, data) -> int:
+        """Append one record (``data``: bytes or any buffer, e.g. a memory-mapped array); returns
+        the offset of its metadata block."""
+        # Records start 64-byte aligned; the file ends right after the last one's data.
+        offset = -(-self._position // ALIGNMENT) * ALIGNMENT
+        view = memoryview(data).cast("B")
+        self._handle.write(bytes(offset - self._position))
+        self._handle.write(self._metadata(dtype, len(view), offset))
+        self._handle.write(view)
+        self._position = offset + METADATA_BYTES + len(view)
+        self.count += 1
+        return offset
+
+    @staticmethod
+    def _metadata(dtype: str, length: int, offset: int) -> bytes:
+        block = struct.pack("<IIQQ", SENTINEL, BLOB_DTYPE_CODES[dtype], length, offset + METADATA_BYTES)
+        return block.ljust(METADATA_BYTES, b"\0")
+
+    def close(self) -> None:
+        if self._handle.closed:
+            return
+        self._handle.seek(0)
+        self._handle.write(struct.pack("<II", self.count, 2).ljust(HEADER_BYTES, b"\0"))
+        self._handle.close()
+
+    def __enter__(self) -> BlobWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

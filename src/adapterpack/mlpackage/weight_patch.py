@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 WEIGHTS = "Data/com.apple.CoreML/weights/weight.bin"
 
 # One stored form of a tensor: the records it occupies, as (blob dtype, base bytes, new bytes).
-Encoding = list[tuple[str, bytes, bytes]]
+Encoding = list[tuple[str, bytes | memoryview, bytes | memoryview]]
 
 
 @dataclass
@@ -43,13 +43,14 @@ class TensorChange:
         return cls([[("float16", _bytes(old), _bytes(new))]])
 
 
-def _bytes(value: np.ndarray) -> bytes:
+def _bytes(value: np.ndarray) -> memoryview:
+    """The value's bytes without a copy (a 3B model's fused q/k/v/o are gigabytes)."""
     if value.dtype != np.float16:
         raise TypeError(f"expected float16, got {value.dtype}")
-    return np.ascontiguousarray(value).tobytes()
+    return memoryview(np.ascontiguousarray(value)).cast("B")
 
 
-def _digest(data: bytes) -> bytes:
+def _digest(data: bytes | memoryview) -> bytes:
     return hashlib.blake2b(data, digest_size=20).digest()
 
 

@@ -1,0 +1,255 @@
+"""Palettize a converted program record by record, without coremltools loading it.
+
+coremltools' ``palettize_weights`` loads the whole program (every weight in memory), counts the
+unique values of each weight, builds new ops in Python and serializes everything again: for a 3B
+model that is its 6 GB of float16 weights held twice and most of an hour. What it produces is
+simple, though: each compressed ``const`` becomes a ``constexpr_lut_to_dense`` named like it
+plus ``_palettized``, in the same place, reading its packed indices and its palette from two
+blob records; every other record is copied. This module writes exactly that (tests compare it
+byte for byte with coremltools' output): the spec is edited in place and the blob is streamed,
+each weight read from the source blob, palettized and written before the next one is read. The
+k-means of the next weights runs on the other core meanwhile.
+
+Anything this does not handle the way coremltools would (a weight coremltools splits otherwise,
+a non-float16 weight it would compress) returns False before writing, and the caller compresses
+with coremltools instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from adapterpack.compress.palettes import PaletteStore, grouped_rows
+from adapterpack.config.compression import WEIGHT_THRESHOLD
+from adapterpack.config.manifest import Compression
+from adapterpack.mlpackage.blob import BlobWriter, record_at
+from adapterpack.mlpackage.spec import MODEL_PATH_PREFIX, load_spec_file, op_values, spec_path, walk_ops
+from adapterpack.quiet import import_coreml_proto
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class _Weight:
+    """One const op to palettize: where it is, its shape, and where its value lies in the source blob."""
+
+    block: object  # the proto Block holding it
+    position: int  # index in block.operations
+    name: str
+    shape: tuple[int, ...]
+    file: str  # BlobFileValue.fileName
+    offset: int
+
+
+def _op_name(op) -> str:
+    named = op.attributes.get("name")
+    if named is not None and named.immediateValue.tensor.strings.values:
+        return named.immediateValue.tensor.strings.values[0]
+    return op.outputs[0].name
+
+
+def _blocks(spec) -> Iterator[object]:
+    for function in spec.mlProgram.functions.values():
+        yield from function.block_specializations.values()
+
+
+def _weights_to_palettize(spec, compression: Compression, kept_float16: Callable[[str], bool]) -> list[_Weight] | None:
+    """The const ops coremltools' ``palettize_weights`` would compress (same rules: stored in the
+    blob, rank >= 2, more than ``WEIGHT_THRESHOLD`` elements, not kept float16), or None when one
+    of them is not something this module writes the way coremltools does."""
+    data_types = import_coreml_proto().MIL_pb2.DataType
+    weights: list[_Weight] = []
+    for block in _blocks(spec):
+        for position, op in enumerate(block.operations):
+            if op.type != "const":
+                continue
+            value = op.attributes["val"]
+            if value.WhichOneof("value") != "blobFileValue":
+                continue
+            tensor = value.type.tensorType
+            if any(d.WhichOneof("dimension") != "constant" for d in tensor.dimensions):
+                return None
+            shape = tuple(d.constant.size for d in tensor.dimensions)
+            name = _op_name(op)
+            if len(shape) < 2 or math.prod(shape) <= WEIGHT_THRESHOLD or kept_float16(name):
+                continue
+            rows = shape[0] if compression.granularity == "per_tensor" else compression.group_size
+            # coremltools stores a palette of fewer than 10 values inline, not in the blob
+            small_palette = (shape[0] // rows if rows else 0) << compression.nbits < 10
+            if tensor.dataType != data_types.FLOAT16 or not rows or shape[0] % rows or small_palette:
+                log.debug("%s: %s weight of shape %s: palettizing through coremltools", name, tensor.dataType, shape)
+                return None
+            weights.append(_Weight(block, position, name, shape, value.blobFileValue.fileName, value.blobFileValue.offset))
+    return weights
+
+
+def pack_indices(indices: np.ndarray, nbits: int) -> np.ndarray:
+    """Palette indices packed ``nbits`` each, least significant bits first (the blob's uintN
+    layout, as coremltools' ``pack_elements_into_bits``), as uint8."""
+    flat = np.ascontiguousarray(indices, dtype=np.uint8).reshape(-1)
+    if nbits == 8:
+        return flat
+    if 8 % nbits:
+        from coremltools.optimize._utils import pack_elements_into_bits
+
+        return pack_elements_into_bits(flat, nbits)
+    per_byte = 8 // nbits
+    padded = np.zeros(-(-flat.size // per_byte) * per_byte, np.uint8)
+    padded[: flat.size] = flat
+    columns = padded.reshape(-1, per_byte)
+    packed = columns[:, 0].copy()
+    for i in range(1, per_byte):
+        packed |= columns[:, i] << (i * nbits)
+    return packed
+
+
+def _local_path(package: Path, file_name: str) -> Path:
+    if not file_name.startswith(MODEL_PATH_PREFIX):
+        raise ValueError(f"weight file {file_name} is not inside the package")
+    return spec_path(package).parent / file_name[len(MODEL_PATH_PREFIX) :]
+
+
+def palettize_program(
+    source: Path,
+    target: Path,
+    compression: Compression,
+    palettes: PaletteStore,
+    *,
+    kept_float16: Callable[[str], bool],
+    progress: Callable[[int, int], None] | None = None,
+) -> bool:
+    """Write ``target``: the program of package ``source`` with its weights palettized as
+    ``compression`` says (``kept_float16(name)``: weights left alone), exactly as coremltools
+    would. Returns False, writing nothing, when coremltools has to do it instead.
+
+    ``progress(done, total)``: weight values written so far, after each weight.
+    """
+    spec = load_spec_file(spec_path(source))
+    weights = _weights_to_palettize(spec, compression, kept_float16)
+    if weights is None:
+        return False
+    nbits = compression.nbits
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target, ignore=lambda folder, names: [n for n in names if n.endswith(".bin")])
+    try:
+        _write(source, target, spec, weights, compression, palettes, progress)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+    log.debug("palettized %d weights to %d bits", len(weights), nbits)
+    return True
+
+
+def _write(source, target, spec, weights, compression, palettes, progress) -> None:
+    proto = import_coreml_proto().MIL_pb2
+    nbits = compression.nbits
+    index_dtype = "uint8" if nbits == 8 else f"uint{nbits}"
+    by_place = {(id(w.block), w.position): i for i, w in enumerate(weights)}
+    sources: dict[str, np.memmap] = {}
+    writers: dict[str, BlobWriter] = {}
+    copied: dict[tuple[str, int], int] = {}
+
+    def raw(file_name: str, offset: int) -> tuple[str, np.ndarray]:
+        if file_name not in sources:
+            sources[file_name] = np.memmap(_local_path(source, file_name), dtype=np.uint8, mode="r")
+        with _local_path(source, file_name).open("rb") as handle:
+            dtype, data_offset, size = record_at(handle, offset)
+        return dtype, sources[file_name][data_offset : data_offset + size]
+
+    def writer(file_name: str) -> BlobWriter:
+        if file_name not in writers:
+            path = _local_path(target, file_name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            writers[file_name] = BlobWriter(path)
+        return writers[file_name]
+
+    def grouped(index: int) -> np.ndarray:
+        weight = weights[index]
+        _, data = raw(weight.file, weight.offset)
+        value = np.array(data.view(np.float16).reshape(weight.shape))  # read from disk here
+        return grouped_rows(value, compression)
+
+    done, total = 0, sum(math.prod(w.shape) for w in weights)
+    clustered = palettes.in_order([math.prod(w.shape) for w in weights], grouped, nbits)
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: [w.close() for w in writers.values()])
+        stack.callback(clustered.close)
+        for block in _blocks(spec):
+            renamed: dict[str, str] = {}
+            for position, op in enumerate(block.operations):
+                for argument in op.inputs.values():
+                    for binding in argument.arguments:
+                        if binding.WhichOneof("binding") == "name" and binding.name in renamed:
+                            binding.name = renamed[binding.name]
+                index = by_place.get((id(block), position))
+                if index is None:
+                    for inner in op.blocks:
+                        _rename_inside(inner, renamed)
+                    for held in [op, *(o for inner in op.blocks for o in walk_ops(inner))]:
+                        for _, value in op_values(held):
+                            if value.WhichOneof("value") == "blobFileValue":
+                                key = (value.blobFileValue.fileName, value.blobFileValue.offset)
+                                if key not in copied:
+                                    copied[key] = writer(key[0]).write(*raw(*key))
+                                value.blobFileValue.offset = copied[key]
+                    continue
+                weight = weights[index]
+                luts, indices = next(clustered)
+                blob = writer(weight.file)
+                indices_at = blob.write(index_dtype, pack_indices(indices, nbits))
+                lut_at = blob.write("float16", np.ascontiguousarray(luts, dtype=np.float16))
+                output = op.outputs[0]
+                palettized = f"{weight.name}_palettized"
+                renamed[output.name] = palettized
+                replacement = proto.Operation(type="constexpr_lut_to_dense")
+                lut_shape = (luts.shape[0],) + (1,) * (len(weight.shape) - 1) + (luts.shape[1], 1)
+                replacement.inputs["lut"].arguments.add().value.CopyFrom(
+                    _file_value(proto, proto.DataType.FLOAT16, lut_shape, weight.file, lut_at)
+                )
+                replacement.inputs["indices"].arguments.add().value.CopyFrom(
+                    _file_value(proto, getattr(proto.DataType, index_dtype.upper()), weight.shape, weight.file, indices_at)
+                )
+                replacement.outputs.add(name=palettized).type.CopyFrom(output.type)
+                name = replacement.attributes["name"]
+                name.type.tensorType.dataType = proto.DataType.STRING
+                name.immediateValue.tensor.strings.values.append(palettized)
+                op.CopyFrom(replacement)
+                done += math.prod(weight.shape)
+                if progress is not None:
+                    progress(done, total)
+            for i, output in enumerate(block.outputs):
+                block.outputs[i] = renamed.get(output, output)
+    # coremltools does not carry the program's buildInfo attribute through its reload: neither
+    # does this, so both ways give the same program.
+    spec.mlProgram.attributes.pop("buildInfo", None)
+    spec_path(target).write_bytes(spec.SerializeToString())
+
+
+def _rename_inside(block, renamed: dict[str, str]) -> None:
+    for op in walk_ops(block):
+        for argument in op.inputs.values():
+            for binding in argument.arguments:
+                if binding.WhichOneof("binding") == "name" and binding.name in renamed:
+                    binding.name = renamed[binding.name]
+    for i, output in enumerate(block.outputs):
+        block.outputs[i] = renamed.get(output, output)
+
+
+def _file_value(proto, data_type, shape, file_name: str, offset: int):
+    value = proto.Value()
+    tensor = value.type.tensorType
+    tensor.dataType = data_type
+    tensor.rank = len(shape)
+    for size in shape:
+        tensor.dimensions.add().constant.size = size
+    value.blobFileValue.fileName = file_name
+    value.blobFileValue.offset = offset
+    return value

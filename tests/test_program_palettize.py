@@ -1,0 +1,152 @@
+"""Palettization written record by record (compress.program) against coremltools' own
+``palettize_weights`` on the same converted programs: the weight blob must be byte-identical,
+and the program the same graph (coremltools renames and reorders a few ops of its own when it
+reloads a program, so the graph is compared by content, not by names or order)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adapterpack.build.records import ProgressLines, progress_text
+from adapterpack.compress.model import ALWAYS_FLOAT16, compress_model, compress_package
+from adapterpack.compress.palettes import PaletteStore
+from adapterpack.compress.program import pack_indices, palettize_program
+from adapterpack.config.compression import LORA_PATTERNS, matches_any
+from adapterpack.config.manifest import Compression
+from adapterpack.mlpackage.spec import load_spec_file, spec_path, walk_ops
+from adapterpack.mlpackage.weight_patch import WEIGHTS
+from adapterpack.quiet import captured_output, import_coremltools
+
+SETTINGS = {
+    "4-bit grouped": dict(nbits=4, granularity="per_grouped_channel", group_size=16, keep_float16=[]),
+    "6-bit grouped, embeddings kept": dict(nbits=6, granularity="per_grouped_channel", group_size=16),
+    "8-bit grouped by 4": dict(nbits=8, granularity="per_grouped_channel", group_size=4, keep_float16=["mlp"]),
+    "4-bit per tensor": dict(nbits=4, granularity="per_tensor", keep_float16=[]),
+}
+
+
+def graph(package: Path) -> tuple[Counter, list[list[str]], bytes]:
+    """The program as content: each op's hash over its type, attributes (its name left out) and
+    the hashes of what feeds it; the functions' outputs; and the rest of the spec."""
+    spec = load_spec_file(spec_path(package))
+    ops: Counter = Counter()
+    outputs = []
+    for function in spec.mlProgram.functions.values():
+        values = {argument.name: f"input {argument.name}" for argument in function.inputs}
+        for block in function.block_specializations.values():
+            for op in walk_ops(block):
+                content = type(op)()
+                content.CopyFrom(op)
+                content.attributes.pop("name", None)
+                for argument in content.inputs.values():
+                    for binding in argument.arguments:
+                        if binding.WhichOneof("binding") == "name":
+                            binding.name = values[binding.name]
+                for output in content.outputs:
+                    output.name = ""
+                digest = hashlib.sha256(content.SerializeToString(deterministic=True)).hexdigest()
+                for index, output in enumerate(op.outputs):
+                    values[output.name] = f"{digest}:{index}"
+                ops[digest] += 1
+            outputs.append([values[name] for name in block.outputs])
+    spec.mlProgram.ClearField("functions")
+    return ops, outputs, spec.SerializeToString(deterministic=True)
+
+
+def coremltools_palettized(source: Path, target: Path, compression: Compression) -> None:
+    ct = import_coremltools()
+    with captured_output():
+        model = ct.models.MLModel(str(source), skip_model_load=True)
+    model = compress_model(model, compression, palettes=PaletteStore())
+    with captured_output():
+        model.save(str(target))
+
+
+def kept(compression: Compression):
+    patterns = (*ALWAYS_FLOAT16, *compression.keep_float16, *LORA_PATTERNS)
+    return lambda name: matches_any(name, patterns)
+
+
+@pytest.fixture(scope="module")
+def programs(family_build) -> dict[str, Path]:
+    """The converted (uncompressed) programs of one family's build: the base, from the build
+    cache's templates, and the keep-mode function (LoRA matrices in the graph)."""
+    family, root, result = family_build
+    cache = root / ".adapterpack-cache"
+    (template,) = (cache / "templates").glob("*.mlpackage")
+    kept_part = next(
+        path for path in cache.glob("*.mlpackage") if '"lora": "keep"' in path.with_suffix(".part.json").read_text()
+    )
+    return {"base": template, "kept": kept_part}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("program", ["base", "kept"])
+def test_streamed_palettization_equals_coremltools(programs, tmp_path, setting, program):
+    compression = Compression(method="palettize", **SETTINGS[setting])
+    source = programs[program]
+    coremltools_palettized(source, tmp_path / "coremltools.mlpackage", compression)
+    written = []
+    assert palettize_program(
+        source, tmp_path / "streamed.mlpackage", compression, PaletteStore(), kept_float16=kept(compression),
+        progress=lambda done, total: written.append((done, total)),
+    )
+    expected = (tmp_path / "coremltools.mlpackage" / WEIGHTS).read_bytes()
+    assert (tmp_path / "streamed.mlpackage" / WEIGHTS).read_bytes() == expected
+    assert graph(tmp_path / "streamed.mlpackage") == graph(tmp_path / "coremltools.mlpackage")
+    # progress counts up to every palettized value
+    assert written and written[-1][0] == written[-1][1] and [d for d, _ in written] == sorted(d for d, _ in written)
+    # and something was palettized at all (the comparison would otherwise be of two copies)
+    assert b"constexpr_lut_to_dense" in spec_path(tmp_path / "streamed.mlpackage").read_bytes()
+
+
+def test_graph_comparison_notices_a_changed_op(programs, tmp_path):
+    """The graph comparison the test above relies on can fail."""
+    compression = Compression(method="palettize", **SETTINGS["4-bit grouped"])
+    palettize_program(programs["base"], tmp_path / "a.mlpackage", compression, PaletteStore(), kept_float16=kept(compression))
+    spec = load_spec_file(spec_path(tmp_path / "a.mlpackage"))
+    function = next(iter(spec.mlProgram.functions.values()))
+    block = next(iter(function.block_specializations.values()))
+    multiply = next(op for op in block.operations if op.type == "mul")
+    multiply.type = "add"
+    spec_path(tmp_path / "a.mlpackage").write_bytes(spec.SerializeToString())
+    palettize_program(programs["base"], tmp_path / "b.mlpackage", compression, PaletteStore(), kept_float16=kept(compression))
+    assert graph(tmp_path / "a.mlpackage") != graph(tmp_path / "b.mlpackage")
+
+
+def test_layouts_it_does_not_write_go_to_coremltools(programs, tmp_path):
+    """A 2-bit per-tensor palette (4 values) is stored inline by coremltools, not in the blob:
+    the streamed writer declines and compress_package takes coremltools' way."""
+    compression = Compression(method="palettize", nbits=2, granularity="per_tensor", keep_float16=[])
+    assert not palettize_program(programs["base"], tmp_path / "s.mlpackage", compression, PaletteStore(), kept_float16=kept(compression))
+    assert not (tmp_path / "s.mlpackage").exists()
+    compress_package(programs["base"], tmp_path / "p.mlpackage", compression)
+    coremltools_palettized(programs["base"], tmp_path / "c.mlpackage", compression)
+    assert (tmp_path / "p.mlpackage" / WEIGHTS).read_bytes() == (tmp_path / "c.mlpackage" / WEIGHTS).read_bytes()
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 3, 4, 6, 8])
+def test_index_packing_matches_coremltools(nbits):
+    from coremltools.optimize._utils import pack_elements_into_bits
+
+    indices = np.random.default_rng(nbits).integers(0, 1 << nbits, size=1001, dtype=np.uint8)
+    np.testing.assert_array_equal(pack_indices(indices, nbits), pack_elements_into_bits(indices, nbits))
+
+
+def test_progress_lines_report_rate_and_time_left():
+    lines = []
+    update = ProgressLines("base: compress", "weights", lines.append, every=0.0)
+    update(0, 100)
+    update(50, 100)
+    assert len(lines) == 2 and lines[-1].startswith("base: compress: 50 / 100 weights (50%)")
+    assert "s left" in lines[-1]
+    assert progress_text(3_200_000_000, 3_200_000_000, 100.0, "weights") == "3.2G / 3.2G weights (100%), 32.0M/s"
+    quiet = []
+    slow = ProgressLines("x", "weights", quiet.append, every=3600.0)
+    slow(1, 2)
+    assert quiet == []
