@@ -11,9 +11,11 @@ peak RSS, package sizes and ratios, and the rebuild after one adapter changed (w
 
     .venv/bin/pip install -e ".[bench]"                              # the baseline's k-means needs these
     .venv/bin/python benchmarks/build_time.py --with-verify         # ~25M-parameter Llama, 4 adapters
-    .venv/bin/python benchmarks/build_time.py --shape 1b --baseline-timeout 3600
+    .venv/bin/python benchmarks/build_time.py --shape 25m 1b 3b --baseline-shapes 25m --verify-package --keep
 
-Each build runs in its own process (peak RSS is that process's high-water mark).
+Shapes: 25m (a small Llama), and the published Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B
+shapes with random float16 weights (made once under ``--work``). Each build runs in its own
+process (peak RSS is that process's high-water mark); the JSON records the machine it ran on.
 """
 
 from __future__ import annotations
@@ -292,7 +294,7 @@ def run_shape(args, shape: str) -> dict:
         figures["keep"] = full_and_rebuild(root, kept, root / "out" / "kept.mlpackage", verify=False)
         figures["keep"]["adapterpack_bytes"] = size(root / "out" / "kept.mlpackage")
 
-    if not args.skip_baseline:
+    if not args.skip_baseline and (args.baseline_shapes is None or shape in args.baseline_shapes):
         script = root / "baseline.py"
         script.write_text(BASELINE)
         baseline_out = root / "out" / "baseline.mlpackage"
@@ -315,6 +317,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/adapterpack-bench"))
     parser.add_argument("--baseline-timeout", type=float, default=None, help="cut the baseline off after N seconds")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--baseline-shapes", nargs="+", choices=sorted(SHAPES), help="run the baseline for these shapes only")
     parser.add_argument("--with-verify", action="store_true", help="also time full and rebuild with verification on")
     parser.add_argument("--verify-package", action="store_true", help="also time `adapterpack verify` of the built package")
     parser.add_argument("--keep", action="store_true", help="also time full and rebuild with lora: keep")

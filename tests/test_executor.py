@@ -939,3 +939,22 @@ def test_other_families_end_to_end(family: str, tmp_path: Path) -> None:
     cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))
     assert cos.min() >= 0.999, cos
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("op", ["linear", "matmul"])
+def test_large_float16_weights_are_widened_in_slices_with_the_same_result(op, monkeypatch) -> None:
+    """A float16 weight past WIDEN_SLICE_VALUES is multiplied a slice of rows at a time (a 3B
+    lm_head widened whole would hold 1.6 GB); the products are those of the whole weight."""
+    from adapterpack.verify.executor import linalg
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 5, 64)).astype(np.float16)
+    weight = (rng.standard_normal((300, 64)) * 0.1).astype(np.float16)
+    args = {"x": x, "weight": weight} if op == "linear" else {"x": x, "y": weight, "transpose_y": True}
+    run = linalg._linear if op == "linear" else linalg._matmul
+    whole = run(args)
+    monkeypatch.setattr(linalg, "WIDEN_SLICE_VALUES", 64 * 7)  # slices of 7 rows, the last one short
+    sliced = run(args)
+    expected = x.astype(np.float32) @ weight.astype(np.float32).T
+    np.testing.assert_allclose(sliced, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sliced, whole, rtol=1e-5, atol=1e-6)  # BLAS blocks differently, no more

@@ -217,3 +217,43 @@ def test_metrics_against_known_values():
     assert retention(adapter, adapter, base)[0] == pytest.approx(1.0)
     assert retention(base, adapter, base)[0] == 0.0
     assert abs(retention(base + rng.normal(size=(5, 20)), adapter, base)[0]) < 0.5
+
+
+def test_reference_computed_layer_by_layer_equals_the_float32_model(family_build, tmp_path):
+    """The reference holds the base at its stored precision and widens one module's weights at a
+    time; its logits must be the float32 model's (peft, unmerged), base and adapters alike."""
+    import torch
+
+    from adapterpack.convert.base_model import load_base
+    from adapterpack.convert.lora import applied_adapter
+    from adapterpack.inputs.checked import check_inputs
+    from adapterpack.verify.reference import reference_logits, stored_dtype
+
+    family, root, _ = family_build
+    # the family's base, stored in float16 as published models are
+    load_base(root / "base").half().save_pretrained(tmp_path / "base16", safe_serialization=True)
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (root / "base" / extra).exists():
+            shutil.copy(root / "base" / extra, tmp_path / "base16" / extra)
+    manifest = (root / "m.yaml").read_text().replace("base: {path: base}", f"base: {{path: {tmp_path / 'base16'}}}")
+    manifest = "\n".join(
+        line.replace("path: ", f"path: {root}/") if line.strip().startswith("path:") else line for line in manifest.splitlines()
+    )
+    (tmp_path / "m.yaml").write_text(manifest)
+    checked = check_inputs(tmp_path / "m.yaml")
+    assert stored_dtype(checked.base) == "float16"  # so the layered path is the one under test
+    names = checked.manifest.function_names
+    tokens, base_logits, adapter_logits = reference_logits(checked, names)
+    full = load_base(checked.base.folder)  # float32 throughout
+    ids = torch.from_numpy(tokens[None, :])
+    with torch.no_grad():
+        np.testing.assert_allclose(base_logits, full(ids).logits[0].numpy(), rtol=0, atol=2e-6)
+        for name, logits in adapter_logits.items():
+            adapter = checked.manifest.adapter(name)
+            with applied_adapter(full, checked.adapters[name].folder, mode="unmerged", scale=float(adapter.scale)) as model:
+                expected = model(ids).logits[0].numpy()
+            np.testing.assert_allclose(logits, expected, rtol=0, atol=2e-6, err_msg=name)
+            if name != "zero":  # FAMILY_ADAPTERS' identity adapter
+                assert np.abs(logits - base_logits).max() > 1e-3, f"{name}: the adapter moved nothing"
+    for parameter in full.parameters():
+        assert parameter.dtype == torch.float32

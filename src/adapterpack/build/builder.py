@@ -178,8 +178,11 @@ class _PartBuilder:
 
         return fused_weight_changes(self.checked.base, self.checked.adapters[name], scale=float(adapter.scale))
 
-    def _patched(self, changes: dict, compression, source: Path, target: Path) -> bool:
-        """``target`` = ``source`` with the fused weights in, in the form ``source`` stores them."""
+    def _patched(self, changes: dict, compression, source: Path, target: Path, progress=None) -> bool:
+        """``target`` = ``source`` with the fused weights in, in the form ``source`` stores them.
+
+        ``progress(done, total)``: values palettized so far (the old values' palettes usually
+        come from the palette cache, the new ones are clustered)."""
         from adapterpack.compress.model import palettized_records
 
         pairs = [(old.numpy(), new.numpy()) for old, new in changes.values()]
@@ -187,12 +190,16 @@ class _PartBuilder:
         # old and new values of every changed tensor, clustered in order on both cores
         records = palettized_records([value for pair in pairs for value in pair], compression, self.palettes) if palettized else None
         tensor_changes = []
+        done, total = 0, 2 * sum(old.size for old, _ in pairs)
         for old, new in pairs:
             change = TensorChange.float16(old, new)  # as stored when kept float16
             before, after = (next(records), next(records)) if records is not None else (None, None)
             if before is not None and after is not None:
                 change.encodings.insert(0, [(dtype, b, a) for (dtype, b), (_, a) in zip(before, after)])
             tensor_changes.append(change)
+            done += 2 * old.size
+            if progress is not None and records is not None:
+                progress(done, total)
         return patch_weights(source, target, tensor_changes)
 
     def build(self, name: str, target: Path) -> None:
@@ -213,8 +220,8 @@ class _PartBuilder:
             with self.reporter.stage(f"{name}: fuse"):
                 changes = self._fused_changes(name, adapter)
             if changes is not None and patchable:
-                with self.reporter.stage(f"{name}: patch the fused weights into the compressed base"):
-                    if self._patched(changes, compression, source, target):
+                with self.reporter.progress(f"{name}: patch the fused weights into the compressed base") as update:
+                    if self._patched(changes, compression, source, target, update):
                         return
                 log.info("%s: the fused weights could not be matched in the compressed base: compressing it whole", name)
         self._build_whole(name, adapter, mode, compression, changes, target)

@@ -92,7 +92,7 @@ def build(
             reuse = cache.verified(keys) if cache is not None else {}
             label = f"verify {len(records) - len(reuse)} function(s) ({backend})"
             with reporter.stage(label + (f"; {len(reuse)} unchanged since verified" if reuse else "")):
-                report = verify_package(merged, manifest, backend=backend, checked=checked, reuse=reuse)
+                report = verify_package(merged, manifest, backend=backend, checked=checked, reuse=reuse, stage=reporter.stage)
             if not report.passed:
                 raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
             if cache is not None:
@@ -212,7 +212,7 @@ def merge_from_parts(
         if checked is not None and options.verify:
 
             with reporter.stage(f"verify {len(parts)} function(s) ({backend})"):
-                report = verify_package(merged, checked.manifest, backend=backend, checked=checked)
+                report = verify_package(merged, checked.manifest, backend=backend, checked=checked, stage=reporter.stage)
             if not report.passed:
                 raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
         staging.commit(merged)

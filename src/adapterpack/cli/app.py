@@ -180,6 +180,7 @@ def verify(
     manifest: Annotated[Path, typer.Option("--manifest", "-m", help="The manifest the package was built from")],
     backend: BackendOption = "numpy",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Check every function numerically against the PyTorch reference (peft, unmerged, float32).
 
@@ -192,7 +193,9 @@ def verify(
         loaded = load_manifest(manifest)
         if not package.exists():
             raise BadInput(f"{package}: package not found")
-        report = verify_package(package, loaded, backend=backend)
+        # Live progress on a terminal; in logs the table and the verdict are the whole output.
+        reporter = ConsoleReporter(quiet)
+        report = verify_package(package, loaded, backend=backend, stage=reporter.stage if reporter.live else None)
         if as_json:
             print(json.dumps(report.as_json(), indent=2))
         else:

@@ -5,7 +5,9 @@ failure collected into one report.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from adapterpack.config.manifest import Manifest
@@ -29,14 +31,16 @@ def verify_package(
     backend: Backend = "numpy",
     checked=None,
     reuse: dict[str, FunctionReport] | None = None,
+    stage: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> VerifyReport:
     """Run every function of ``package`` against its PyTorch reference; never raises on a mismatch.
 
     ``checked`` (inputs.checked.CheckedInputs) avoids re-validating inputs when called from a build.
     ``reuse`` holds passing reports of functions whose parts (inputs, settings, versions) are
     unchanged since a build verified them; those are not run again. The integrity checks
-    always run.
+    always run. ``stage(label)``: a context manager around each long step (progress display).
     """
+    stage = stage or (lambda label: contextlib.nullcontext())
 
     package = Path(package)
     listing = read_functions(package)
@@ -70,7 +74,9 @@ def verify_package(
     # at no point does a float32 base share memory with a function's weights.
     import gc
 
-    tokens, base_reference, references = reference_logits(checked, [n for n in expected if n not in reuse])
+    to_run = [n for n in expected if n not in reuse]
+    with stage(f"references: the PyTorch base and {sum(manifest.adapter(n) is not None for n in to_run)} adapter(s), float32"):
+        tokens, base_reference, references = reference_logits(checked, to_run)
     prefill = min(settings.prefill, len(tokens))
     gc.collect()
 
@@ -83,7 +89,8 @@ def verify_package(
         thresholds = settings.thresholds_for(compression)
         reference = references.get(name, base_reference)
         try:
-            got = run(name, tokens, prefill)
+            with stage(f"{name}: run both drives ({backend})"):
+                got = run(name, tokens, prefill)
         except BadInput:
             raise
         except DeclaredTypeMismatch as error:

@@ -178,6 +178,13 @@ def _const_value(var: Any) -> Any:
     return arr.astype(dtype) if dtype is not None and arr.dtype != dtype else arr
 
 
+def _release_const(op: Any) -> None:
+    """Drop the value a loaded ``const`` op holds (its output's and its ``val`` input's)."""
+    for var in (op.outputs[0], op.inputs.get("val")):
+        if var is not None and hasattr(var, "_sym_val"):
+            var._sym_val = None
+
+
 def _label(op: Any) -> str:
     return op.outputs[0].name if op.outputs else op.name
 
@@ -439,6 +446,14 @@ class ProgramExecutor:
             return _declared_of_var(var)
 
         steps: list[_Step] = []
+        # Constants read by constant-only ops alone (a palettized weight's indices and palette)
+        # are let go as soon as their last reader is folded: a 3B model's indices are 3 GB,
+        # and holding them beside the dense weights they fold into would add that to the peak.
+        # Only in a program of this one function: other functions may share the arrays.
+        readers_left: dict[int, int] = {}
+        const_ops: dict[int, Any] = {}
+        release = len(self._program.functions) == 1
+        returned = {id(var) for var in func.outputs}
         for op in func.operations:
             label = _label(op)
             _check_supported(op, name)
@@ -446,6 +461,9 @@ class ProgramExecutor:
                 slot = slot_of(op.outputs[0])
                 env[slot] = _const_value(op.outputs[0])
                 static.add(slot)
+                if id(op.outputs[0]) not in returned:
+                    readers_left[slot] = len(op.outputs[0].child_ops)
+                    const_ops[slot] = op
                 continue
             if op.op_type in _STATE_OPS:
                 state_var = op.inputs["input"] if op.op_type == "read_state" else op.inputs["state"]
@@ -488,8 +506,15 @@ class ProgramExecutor:
                 # arithmetic on constants): evaluate once here instead of on every call.
                 self._run_step(step, env, name)
                 static.update(step.outs)
+                for ref in set(refs) & readers_left.keys():
+                    readers_left[ref] -= 1
+                    if readers_left[ref] == 0 and release:
+                        env[ref] = None
+                        _release_const(const_ops.pop(ref))
             else:
                 steps.append(step)
+                for ref in set(refs) & readers_left.keys():
+                    readers_left.pop(ref)  # read at run time: kept
 
         outputs = [(var.name, slot_of(var)) for var in func.outputs]
         self._widen_static_operands(steps, env, static)
