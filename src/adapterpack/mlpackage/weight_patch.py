@@ -51,7 +51,7 @@ def _bytes(value: np.ndarray) -> memoryview:
 
 
 def _digest(data: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(data, digest_size=20).digest()
+    return hashlib.sha256(data).digest()
 
 
 def patch_weights(source: Path, destination: Path, changes: list[TensorChange]) -> bool:
