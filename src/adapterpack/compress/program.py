@@ -30,7 +30,7 @@ import numpy as np
 from adapterpack.compress.palettes import PaletteStore, grouped_rows
 from adapterpack.config.compression import WEIGHT_THRESHOLD
 from adapterpack.config.manifest import Compression
-from adapterpack.mlpackage.blob import BlobWriter, record_at
+from adapterpack.mlpackage.blob import BlobWriter, record_metadata
 from adapterpack.mlpackage.spec import MODEL_PATH_PREFIX, load_spec_file, op_values, spec_path, walk_ops
 from adapterpack.quiet import import_coreml_proto
 
@@ -161,7 +161,7 @@ def _write(source, target, spec, weights, compression, palettes, progress) -> No
         if file_name not in sources:
             sources[file_name] = np.memmap(_local_path(source, file_name), dtype=np.uint8, mode="r")
         with _local_path(source, file_name).open("rb") as handle:
-            dtype, data_offset, size = record_at(handle, offset)
+            _, dtype, data_offset, size = record_metadata(handle, offset)
         return dtype, sources[file_name][data_offset : data_offset + size]
 
     def writer(file_name: str) -> BlobWriter:

@@ -95,17 +95,19 @@ def read_blob_records(package: Path, name: str) -> list[BlobRecord]:
 BLOB_DTYPE_CODES = {name: code for code, name in BLOB_DTYPES.items()}
 
 
-def record_at(handle, offset: int) -> tuple[str, int, int]:
-    """(blob dtype, data offset, size in bytes) of the record whose metadata block is at ``offset``
-    (what a BlobFileValue names) in an open blob file; BadInput when there is none."""
+def record_metadata(handle, offset: int, name: str | None = None) -> tuple[bytes, str, int, int]:
+    """(metadata block, blob dtype, data offset, size in bytes) of the record whose metadata is at
+    ``offset`` (what a BlobFileValue names) in an open blob file; BadInput naming ``name`` (the
+    file by default) when there is none."""
+    name = name or handle.name
     handle.seek(offset)
     metadata = handle.read(METADATA_BYTES)
     if len(metadata) < METADATA_BYTES:
-        raise BadInput(f"{handle.name}: truncated weight record at byte {offset}")
+        raise BadInput(f"{name}: no weight record at byte {offset} (the file ends)")
     sentinel, dtype, length, data_offset = struct.unpack_from("<IIQQ", metadata)
     if sentinel != SENTINEL:
-        raise BadInput(f"{handle.name}: no weight record at byte {offset} (sentinel {sentinel:#x})")
-    return BLOB_DTYPES.get(dtype, f"dtype {dtype}"), data_offset, length
+        raise BadInput(f"{name}: no weight record at byte {offset} (sentinel {sentinel:#x})")
+    return metadata, BLOB_DTYPES.get(dtype, f"dtype {dtype}"), data_offset, length
 
 
 class BlobWriter:

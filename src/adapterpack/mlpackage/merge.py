@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, SENTINEL
+from adapterpack.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, record_metadata
 from adapterpack.mlpackage.metadata import METADATA_PREFIX, weights_digest
 from adapterpack.mlpackage.spec import (
     MODEL_FOLDER,
@@ -66,13 +66,7 @@ class _BlobWriter:
 
     def copy(self, source: BinaryIO, offset: int, source_name: str) -> int:
         """Copy the record whose metadata is at ``offset`` in ``source``; returns its new offset."""
-        source.seek(offset)
-        metadata = source.read(METADATA_BYTES)
-        if len(metadata) < METADATA_BYTES:
-            raise BadInput(f"{source_name}: no weight record at byte {offset} (the file ends)")
-        sentinel, _dtype, size, data_offset = struct.unpack_from("<IIQQ", metadata)
-        if sentinel != SENTINEL:
-            raise BadInput(f"{source_name}: no weight record at byte {offset} (sentinel {sentinel:#x})")
+        metadata, _, data_offset, size = record_metadata(source, offset, source_name)
         # Identity: the metadata without its absolute data offset, plus the data's digest
         # (sha256: the hardware-accelerated hash here, twice blake2b's speed on gigabytes).
         identity = hashlib.sha256(metadata[:16] + metadata[24:])

@@ -1,0 +1,95 @@
+"""Palettization on one core and on two: the k-means stage of a build, side by side.
+
+Clusters the weights of some decoder layers of a model shape (random float16, 4-bit,
+per_grouped_channel, group 16) through ``PaletteStore.in_order``, the path the build streams
+every weight through, once with one worker and once with ``PALETTE_WORKERS``, and checks that
+both give identical palettes. Reports weights per second and the speed-up, from one run.
+
+    .venv/bin/python benchmarks/palettize_cores.py [--shape 3b] [--layers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import adapterpack.compress.palettes as palettes  # noqa: E402
+from adapterpack.compress.palettes import PaletteStore, grouped_rows  # noqa: E402
+from adapterpack.config.manifest import Compression  # noqa: E402
+
+# (hidden, intermediate, kv width) of the shapes in build_time.py
+SHAPES = {"1b": (2048, 8192, 512), "3b": (3072, 8192, 1024), "8b": (4096, 14336, 1024)}
+
+
+def layer_weights(shape: str, layers: int) -> list[np.ndarray]:
+    hidden, intermediate, kv = SHAPES[shape]
+    sizes = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
+             (intermediate, hidden), (intermediate, hidden), (hidden, intermediate)]
+    rng = np.random.default_rng(0)
+    return [(rng.standard_normal(size, dtype=np.float32) * 0.02).astype(np.float16) for _ in range(layers) for size in sizes]
+
+
+def timed(weights: list[np.ndarray], compression: Compression, workers: int | None) -> tuple[float, list]:
+    """Seconds and palettes: ``workers`` threads of one torch thread each (``in_order``), or
+    None: every batch in turn on the calling thread, torch using its own threads (how builds
+    clustered before)."""
+    store = PaletteStore()  # in memory: nothing cached between the runs
+    started = time.perf_counter()
+    if workers is None:
+        found = store.tensor_palettes([grouped_rows(w, compression) for w in weights], compression.nbits)
+    else:
+        palettes.PALETTE_WORKERS = workers
+        found = list(store.in_order([w.size for w in weights], lambda i: grouped_rows(weights[i], compression), compression.nbits))
+    return time.perf_counter() - started, found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    compression = Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=16)
+    weights = layer_weights(args.shape, args.layers)
+    total = sum(w.size for w in weights)
+    parallel = palettes.PALETTE_WORKERS
+    serial, reference = timed(weights, compression, None)
+    one, first = timed(weights, compression, 1)
+    two, second = timed(weights, compression, parallel)
+    identical = all(
+        np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and np.array_equal(a[0], c[0]) and np.array_equal(a[1], c[1])
+        for a, b, c in zip(reference, first, second)
+    )
+    import torch
+
+    figures = {
+        "shape": args.shape,
+        "layers": args.layers,
+        "weights": total,
+        "cores": len(__import__("os").sched_getaffinity(0)),
+        f"serial_torch_{torch.get_num_threads()}_threads_seconds": round(serial, 2),
+        "one_worker_seconds": round(one, 2),
+        f"{parallel}_workers_seconds": round(two, 2),
+        "serial_weights_per_second": round(total / serial),
+        f"{parallel}_workers_weights_per_second": round(total / two),
+        "speedup_over_serial": round(serial / two, 2),
+        "speedup_over_one_worker": round(one / two, 2),
+        "identical_palettes": identical,
+    }
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    if not identical:
+        sys.exit("the palettes differ between one and two workers")
+
+
+if __name__ == "__main__":
+    main()
