@@ -129,3 +129,26 @@ def test_unsupported_architecture_names_supported_ones():
     config.model_type = "gpt2"
     with pytest.raises(BadInput, match="supported are Llama .*Mistral.*Qwen2.*Qwen3"):
         DecoderShape.from_config(config)
+
+
+def test_a_conversion_does_not_depend_on_earlier_ones_in_the_process(tmp_path):
+    """coremltools numbers the ops it creates from process-wide counters, which loading a
+    program (as verify does) advances too: a program converted after that must still be
+    byte-identical to the same program converted first."""
+    from adapterpack.convert.base_model import load_base
+    from adapterpack.convert.coreml import convert_decoder
+    from adapterpack.mlpackage.spec import spec_path
+    from adapterpack.quiet import captured_output
+    from adapterpack.verify.executor import ProgramExecutor
+
+    make_base(tmp_path / "base", "llama")
+    model = load_base(tmp_path / "base", dtype="float16")
+    specs = []
+    for attempt in range(2):
+        mlmodel = convert_decoder(model, max_context=32)
+        with captured_output():
+            mlmodel.save(str(tmp_path / f"{attempt}.mlpackage"))
+        specs.append(spec_path(tmp_path / f"{attempt}.mlpackage").read_bytes())
+        ProgramExecutor.load(tmp_path / f"{attempt}.mlpackage")  # creates ops with numbered names
+    assert b"coreml_update_state" in specs[0]
+    assert specs[0] == specs[1]

@@ -37,18 +37,29 @@ PALETTE_WORKERS = 2
 Palettes = tuple[np.ndarray, np.ndarray]  # (luts, indices)
 
 
+_threads_lock = threading.Lock()
+_threads_users = [0, 0]  # [contexts inside, torch threads before the first]
+
+
 @contextlib.contextmanager
 def _torch_threads(count: int) -> Iterator[None]:
     """Torch's own threads limited while the palette workers run: two workers of two threads
-    each on two cores only contend."""
+    each on two cores only contend. The setting is process-wide, so overlapping uses restore it
+    once, when the last one ends."""
     import torch
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
+    with _threads_lock:
+        if _threads_users[0] == 0:
+            _threads_users[1] = torch.get_num_threads()
+            torch.set_num_threads(count)
+        _threads_users[0] += 1
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        with _threads_lock:
+            _threads_users[0] -= 1
+            if _threads_users[0] == 0:
+                torch.set_num_threads(_threads_users[1])
 
 
 def grouped_rows(value: np.ndarray, compression: Compression) -> np.ndarray | None:
@@ -183,15 +194,20 @@ class PaletteStore:
             for batch in batches:
                 yield from cluster(batch)
             return
+        # The last batch's palettes are yielded after the workers and the thread limit are gone,
+        # so a caller that takes every palette never resumes with either still in place.
         with _torch_threads(1), ThreadPoolExecutor(PALETTE_WORKERS) as pool:
             waiting = iter(batches[PALETTE_WORKERS:])
             running = deque(pool.submit(cluster, batch) for batch in batches[:PALETTE_WORKERS])
-            while running:
+            while True:
                 done = running.popleft().result()
                 following = next(waiting, None)
                 if following is not None:
                     running.append(pool.submit(cluster, following))
+                if not running:
+                    break
                 yield from done
+        yield from done
 
     def clear(self) -> None:
         """Forget primed palettes (those on disk stay)."""

@@ -41,6 +41,13 @@ def convert_decoder(model: torch.nn.Module, *, max_context: int, target: str = "
     )
     with torch.no_grad(), captured_output():
         traced = torch.jit.trace(decoder, example, check_trace=False)
+    # coremltools names the ops it creates from one process-wide counter per op type
+    # (coreml_update_state_N, ...), which converting or loading any program advances: start
+    # each conversion from zero, as a fresh process does, so a program's bytes do not depend
+    # on what this process did before (a build after a verify, a kept adapter after the base).
+    from coremltools.converters.mil.mil import Builder
+
+    Builder.name_count.clear()
     length = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
     mask_rows = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
     mask_end = ct.RangeDim(lower_bound=1, upper_bound=max_context, default=1)
