@@ -159,3 +159,22 @@ def test_cli_build_on_mutated_adapter_exit_0_or_2_and_no_output_on_failure(proje
     if result.returncode == 2:
         assert not output.exists()
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_full_disk_while_copying_is_one_line_and_exit_4(capsys):
+    """shutil.copytree reports every failed file in one list; the user gets the first, as one line."""
+    import errno
+    import shutil
+
+    import typer
+
+    from adapterpack.cli.boundary import error_boundary
+
+    failures = [(f"/tmp/src/{n}.bin", f"/tmp/dst/{n}.bin", f"[Errno {errno.ENOSPC}] No space left on device: '/tmp/dst/{n}.bin'") for n in "ab"]
+    with pytest.raises(typer.Exit) as raised:
+        with error_boundary():
+            raise shutil.Error(failures)
+    assert raised.value.exit_code == 4
+    message = capsys.readouterr().err.strip()
+    assert message.count("\n") == 0, message
+    assert "out of disk space" in message and "/tmp/src/a.bin" in message and "1 more file" in message

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 
@@ -43,6 +44,17 @@ def _on_sigint(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _first_copy_error(error: OSError) -> OSError:
+    """shutil.copytree gathers every failed file into one error holding a list; report the first
+    as one line (``copying SRC: reason``), not the list."""
+    failures = error.args[0] if isinstance(error, shutil.Error) and error.args else None
+    if isinstance(failures, list) and failures and isinstance(failures[0], tuple) and len(failures[0]) == 3:
+        source, _, reason = failures[0]
+        more = f" (and {len(failures) - 1} more file(s))" if len(failures) > 1 else ""
+        return OSError(f"copying {source}: {reason}{more}")
+    return error
+
+
 @contextlib.contextmanager
 def error_boundary() -> Iterator[None]:
     """Turn every failure into one line on stderr and a documented exit code."""
@@ -72,7 +84,8 @@ def error_boundary() -> Iterator[None]:
     except OSError as error:
         if _debug():
             raise
-        if getattr(error, "errno", None) == 28:  # ENOSPC
+        error = _first_copy_error(error)
+        if getattr(error, "errno", None) == 28 or "[Errno 28]" in str(error):  # ENOSPC
             err.print(f"[bold red]error:[/] out of disk space: {error}", highlight=False, soft_wrap=True)
             raise typer.Exit(4) from None
         err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
