@@ -306,6 +306,9 @@ class _PartBuilder:
                     original_weight=stored_weight_reader(self.checked.base),
                 ) as model:
                     mlmodel = self._convert(model)
+                # ``model`` is the base itself: unbound here, or release_base below frees nothing
+                # and the whole base stays resident through the compression.
+                del model
                 self._save(mlmodel, converted)
                 del mlmodel
         self.release_base()

@@ -153,16 +153,16 @@ def _write(source, target, spec, weights, compression, palettes, progress) -> No
     nbits = compression.nbits
     index_dtype = "uint8" if nbits == 8 else f"uint{nbits}"
     by_place = {(id(w.block), w.position): i for i, w in enumerate(weights)}
-    sources: dict[str, np.memmap] = {}
     writers: dict[str, BlobWriter] = {}
     copied: dict[tuple[str, int], int] = {}
 
     def raw(file_name: str, offset: int) -> tuple[str, np.ndarray]:
-        if file_name not in sources:
-            sources[file_name] = np.memmap(_local_path(source, file_name), dtype=np.uint8, mode="r")
-        with _local_path(source, file_name).open("rb") as handle:
+        # Read, not memory-mapped: mapped pages of a 6 GB source blob would all count as this
+        # process's memory by the end; read records are freed once written.
+        path = _local_path(source, file_name)
+        with path.open("rb") as handle:
             _, dtype, data_offset, size = record_metadata(handle, offset)
-        return dtype, sources[file_name][data_offset : data_offset + size]
+        return dtype, np.fromfile(path, dtype=np.uint8, count=size, offset=data_offset)
 
     def writer(file_name: str) -> BlobWriter:
         if file_name not in writers:
@@ -174,7 +174,7 @@ def _write(source, target, spec, weights, compression, palettes, progress) -> No
     def grouped(index: int) -> np.ndarray:
         weight = weights[index]
         _, data = raw(weight.file, weight.offset)
-        value = np.array(data.view(np.float16).reshape(weight.shape))  # read from disk here
+        value = data.view(np.float16).reshape(weight.shape)
         return grouped_rows(value, compression)
 
     done, total = 0, sum(math.prod(w.shape) for w in weights)
