@@ -227,9 +227,10 @@ class _PartBuilder:
                     if self._patched(changes, compression, source, target, update):
                         return
                 log.info("%s: the fused weights could not be matched in the compressed base: compressing it whole", name)
-        if mode == "keep":
+        signature = self._keep_signature(name) if mode == "keep" else None
+        if signature is not None:
             for donor, part in (finished or {}).items():
-                if self._keep_patched(name, donor, part, target):
+                if donor != name and self._keep_signature(donor) == signature and self._keep_patched(name, donor, part, target):
                     return
         self._build_whole(name, adapter, mode, compression, changes, target)
 
@@ -260,15 +261,13 @@ class _PartBuilder:
         )
 
     def _keep_patched(self, name: str, donor: str, part: Path, target: Path) -> bool:
-        """``target`` = ``donor``'s kept part with ``name``'s LoRA matrices in place of its own.
+        """``target`` = ``donor``'s kept part with ``name``'s LoRA matrices in place of its own
+        (the caller checked both have the same ``_keep_signature``).
 
         Two kept adapters of the same settings and shapes give the same program but for those
         values, stored float16 each in one record: patching them (found by content, as for fused
         weights) replaces a trace, a conversion and a compression of the whole model. Anything
         not found exactly once returns False, and the function is converted instead."""
-        signature = self._keep_signature(name)
-        if signature is None or donor == name or self._keep_signature(donor) != signature:
-            return False
         import numpy as np
         from safetensors import safe_open
 

@@ -178,7 +178,7 @@ def palettized_records(
     (``PaletteStore.in_order``). Callers check the result by finding the base weight's records
     in a compressed package, so a layout mismatch is a miss, never a wrong patch.
     """
-    from adapterpack.compress.program import pack_indices
+    from adapterpack.compress.program import index_blob_dtype, pack_indices
 
     if compression.method != "palettize":
         yield from [None] * len(values)
@@ -187,9 +187,10 @@ def palettized_records(
     found = palettes.in_order(
         [values[i].size for i in present], lambda k: grouped_rows(values[present[k]], compression), compression.nbits
     )
-    index_dtype = "uint8" if compression.nbits == 8 else f"uint{compression.nbits}"
+    index_dtype = index_blob_dtype(compression.nbits)
+    palettized = set(present)
     for i in range(len(values)):
-        if i not in present:
+        if i not in palettized:
             yield None
             continue
         luts, indices = next(found)

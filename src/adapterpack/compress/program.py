@@ -90,6 +90,11 @@ def _weights_to_palettize(spec, compression: Compression, kept_float16: Callable
     return weights
 
 
+def index_blob_dtype(nbits: int) -> str:
+    """The blob data type of ``nbits``-bit palette indices (uint8 for 8 bits, else uintN)."""
+    return "uint8" if nbits == 8 else f"uint{nbits}"
+
+
 def pack_indices(indices: np.ndarray, nbits: int) -> np.ndarray:
     """Palette indices packed ``nbits`` each, least significant bits first (the blob's uintN
     layout, as coremltools' ``pack_elements_into_bits``), as uint8."""
@@ -151,7 +156,7 @@ def palettize_program(
 def _write(source, target, spec, weights, compression, palettes, progress) -> None:
     proto = import_coreml_proto().MIL_pb2
     nbits = compression.nbits
-    index_dtype = "uint8" if nbits == 8 else f"uint{nbits}"
+    index_dtype = index_blob_dtype(nbits)
     by_place = {(id(w.block), w.position): i for i, w in enumerate(weights)}
     writers: dict[str, BlobWriter] = {}
     copied: dict[tuple[str, int], int] = {}
@@ -159,10 +164,10 @@ def _write(source, target, spec, weights, compression, palettes, progress) -> No
     def raw(file_name: str, offset: int) -> tuple[str, np.ndarray]:
         # Read, not memory-mapped: mapped pages of a 6 GB source blob would all count as this
         # process's memory by the end; read records are freed once written.
-        path = _local_path(source, file_name)
-        with path.open("rb") as handle:
+        with _local_path(source, file_name).open("rb") as handle:
             _, dtype, data_offset, size = record_metadata(handle, offset)
-        return dtype, np.fromfile(path, dtype=np.uint8, count=size, offset=data_offset)
+            handle.seek(data_offset)
+            return dtype, np.fromfile(handle, dtype=np.uint8, count=size)
 
     def writer(file_name: str) -> BlobWriter:
         if file_name not in writers:
@@ -185,10 +190,7 @@ def _write(source, target, spec, weights, compression, palettes, progress) -> No
         for block in _blocks(spec):
             renamed: dict[str, str] = {}
             for position, op in enumerate(block.operations):
-                for argument in op.inputs.values():
-                    for binding in argument.arguments:
-                        if binding.WhichOneof("binding") == "name" and binding.name in renamed:
-                            binding.name = renamed[binding.name]
+                _rename_inputs(op, renamed)
                 index = by_place.get((id(block), position))
                 if index is None:
                     for inner in op.blocks:
@@ -225,22 +227,30 @@ def _write(source, target, spec, weights, compression, palettes, progress) -> No
                 done += math.prod(weight.shape)
                 if progress is not None:
                     progress(done, total)
-            for i, output in enumerate(block.outputs):
-                block.outputs[i] = renamed.get(output, output)
+            _rename_outputs(block, renamed)
     # coremltools does not carry the program's buildInfo attribute through its reload: neither
     # does this, so both ways give the same program.
     spec.mlProgram.attributes.pop("buildInfo", None)
     spec_path(target).write_bytes(spec.SerializeToString())
 
 
-def _rename_inside(block, renamed: dict[str, str]) -> None:
-    for op in walk_ops(block):
-        for argument in op.inputs.values():
-            for binding in argument.arguments:
-                if binding.WhichOneof("binding") == "name" and binding.name in renamed:
-                    binding.name = renamed[binding.name]
+def _rename_inputs(op, renamed: dict[str, str]) -> None:
+    """Point ``op``'s inputs at the palettized weights' new names."""
+    for argument in op.inputs.values():
+        for binding in argument.arguments:
+            if binding.WhichOneof("binding") == "name" and binding.name in renamed:
+                binding.name = renamed[binding.name]
+
+
+def _rename_outputs(block, renamed: dict[str, str]) -> None:
     for i, output in enumerate(block.outputs):
         block.outputs[i] = renamed.get(output, output)
+
+
+def _rename_inside(block, renamed: dict[str, str]) -> None:
+    for op in walk_ops(block):
+        _rename_inputs(op, renamed)
+    _rename_outputs(block, renamed)
 
 
 def _file_value(proto, data_type, shape, file_name: str, offset: int):
