@@ -69,8 +69,8 @@ def test_streaming_merge_matches_save_multifunction(parts, tmp_path):
 
     from adapterpack.quiet import captured_output
 
-    ours = merge_functions(parts, default_function="code", destination=tmp_path / "ours.mlpackage",
-                           metadata={"k": "v"}, description="d")
+    ours = tmp_path / "ours.mlpackage"
+    merge_functions(parts, default_function="code", destination=ours, metadata={"k": "v"}, description="d")
     descriptor = MultiFunctionDescriptor()
     for name, path in parts.items():
         descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
@@ -95,6 +95,45 @@ def test_streaming_merge_matches_save_multifunction(parts, tmp_path):
     assert (ours / weights).stat().st_size < sum((p / weights).stat().st_size for p in parts.values()) * 0.6
 
 
+def test_function_digest_is_the_function_not_the_package(parts, tmp_path):
+    """A function's digest is the same in its part and in any merged package (where its records
+    sit elsewhere), and changes when one byte of a weight it reads changes."""
+    import shutil
+
+    from adapterpack.mlpackage.digest import function_digests
+
+    merged = tmp_path / "m.mlpackage"
+    returned = merge_functions(parts, default_function="code", destination=merged, metadata={}, description="d")
+    assert function_digests(merged) == returned
+    for name, part in parts.items():
+        assert function_digests(part) == {"main": returned[name]}
+    alone = tmp_path / "alone.mlpackage"
+    assert merge_functions({"chat": parts["chat"]}, default_function="chat", destination=alone, metadata={}, description="d") == {
+        "chat": returned["chat"]
+    }
+    changed = tmp_path / "chat.mlpackage"
+    shutil.copytree(parts["chat"], changed)
+    blob = changed / "Data/com.apple.CoreML/weights/weight.bin"
+    data = bytearray(blob.read_bytes())
+    data[-10] ^= 1  # inside the last record's data
+    blob.write_bytes(bytes(data))
+    assert function_digests(changed)["main"] != returned["chat"]
+    assert len(set(returned.values())) == len(returned)
+
+
+def test_op_values_come_in_name_order():
+    """Records are copied in the order op_values gives: it must not follow protobuf's map order,
+    which differs from process to process (merged packages would differ byte for byte)."""
+    from coremltools.proto import MIL_pb2
+
+    op = MIL_pb2.Operation(type="x")
+    for name in ("zeta", "alpha", "mid"):
+        op.attributes[name].immediateValue.tensor.ints.values.append(1)
+    for name in ("y", "b"):
+        op.inputs[name].arguments.add().value.immediateValue.tensor.ints.values.append(2)
+    assert [name for name, _ in op_values(op)] == ["alpha", "mid", "zeta", "b", "y"]
+
+
 def test_merge_names_a_truncated_part(parts, tmp_path):
     import shutil
 
@@ -108,8 +147,8 @@ def test_merge_names_a_truncated_part(parts, tmp_path):
 
 
 def test_merge_refuses_a_multifunction_input(parts, tmp_path):
-    merged = merge_functions(parts, default_function="code", destination=tmp_path / "m.mlpackage",
-                             metadata={}, description="d")
+    merged = tmp_path / "m.mlpackage"
+    merge_functions(parts, default_function="code", destination=merged, metadata={}, description="d")
     with pytest.raises(BadInput, match="one function"):
         merge_functions({"x": merged}, default_function="x", destination=tmp_path / "again.mlpackage",
                         metadata={}, description="d")

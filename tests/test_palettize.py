@@ -53,18 +53,24 @@ def test_palettes_do_not_depend_on_what_they_are_batched_with(monkeypatch):
 
 
 def test_disk_cache_returns_what_was_computed(tmp_path):
+    from adapterpack.build.cache import BuildCache
+
     tensor = weights(5).reshape(-1, 16 * 256)
-    store = PaletteStore(tmp_path)
+    store = PaletteStore(BuildCache(tmp_path).palette_files())
     computed = store.tensor_palettes([tensor], 4)[0]
-    assert len(list(tmp_path.glob("*.npz"))) == 1
-    reread = PaletteStore(tmp_path).tensor_palettes([tensor], 4)[0]
+    assert len(list(tmp_path.glob("palettes/*/palettes.npz"))) == 1
+    reread = PaletteStore(BuildCache(tmp_path).palette_files()).tensor_palettes([tensor], 4)[0]
     np.testing.assert_array_equal(computed[0], reread[0])
     np.testing.assert_array_equal(computed[1], reread[1])
 
 
-def test_damaged_cache_entries_are_recomputed(tmp_path):
+def test_damaged_working_files_are_recomputed(tmp_path):
+    """A build's own palette files are not hashed (nobody else writes them), but what cannot be
+    the palettes of the tensor is still recomputed, never used."""
+    from adapterpack.build.cache import FolderPalettes
+
     tensor = weights(6).reshape(-1, 16 * 256)
-    store = PaletteStore(tmp_path)
+    store = PaletteStore(FolderPalettes(tmp_path))
     computed = store.tensor_palettes([tensor], 4)[0]
     [entry] = tmp_path.glob("*.npz")
     np.savez(entry, luts=computed[0][:1], indices=computed[1])  # wrong shape

@@ -99,17 +99,15 @@ def test_unknown_function_part_is_bad_input(project, tmp_path):
 
 @pytest.mark.slow
 def test_rebuild_verifies_only_what_changed(project, tmp_path):
-    from adapterpack.verify.reports import REUSED_NOTE
-
     changed = tmp_path / "p"
     shutil.copytree(project, changed, ignore=shutil.ignore_patterns("out"))
     first = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage")
     assert first.verify_report.passed
-    assert not any(REUSED_NOTE in f.notes for f in first.verify_report.functions)
+    assert not any(f.reused for f in first.verify_report.functions)
 
     make_adapter(changed / "code", changed / "base", std=0.1, seed=98, targets=("gate_proj", "up_proj"))
     rebuilt = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(force=True))
-    reused = {f.name for f in rebuilt.verify_report.functions if REUSED_NOTE in f.notes}
+    reused = {f.name for f in rebuilt.verify_report.functions if f.reused}
     assert reused == {"chat", "base"} and rebuilt.verify_report.passed
     code = next(f for f in rebuilt.verify_report.functions if f.name == "code")
     before = next(f for f in first.verify_report.functions if f.name == "code")
@@ -119,7 +117,7 @@ def test_rebuild_verifies_only_what_changed(project, tmp_path):
     text = (changed / "m.yaml").read_text() + "verify: {prefill: 5, decode_steps: 3}\n"
     (changed / "m.yaml").write_text(text)
     again = build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(force=True))
-    assert not any(REUSED_NOTE in f.notes for f in again.verify_report.functions)
+    assert not any(f.reused for f in again.verify_report.functions)
 
 
 def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
@@ -141,12 +139,12 @@ def test_converted_base_is_cached_and_pruned_with_its_settings(project, tmp_path
     changed = tmp_path / "p"
     shutil.copytree(project, changed, ignore=shutil.ignore_patterns("out", "parts*"))
     build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False))
-    templates = changed / "out" / ".adapterpack-cache" / "templates"
-    first = sorted(p.name for p in templates.glob("*.mlpackage"))
+    templates = changed / "out" / ".adapterpack-cache" / "bases"
+    first = sorted(p.parent.name for p in templates.glob("*/base.mlpackage"))
     assert len(first) == 2  # converted, and compressed for the palettized functions
 
     (changed / "m.yaml").write_text(MANIFEST.replace("method: palettize", "method: palettize, nbits: 6"))
     build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False, force=True))
-    second = sorted(p.name for p in templates.glob("*.mlpackage"))
+    second = sorted(p.parent.name for p in templates.glob("*/base.mlpackage"))
     assert len(second) == 2 and len(set(first) & set(second)) == 1  # the 4-bit base is gone
-    assert len(list(templates.glob("*.json"))) == 2
+    assert len(list(templates.iterdir())) == 2  # nothing half-deleted or left over

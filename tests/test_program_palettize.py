@@ -6,6 +6,7 @@ reloads a program, so the graph is compared by content, not by names or order)."
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -78,9 +79,10 @@ def programs(family_build) -> dict[str, Path]:
     cache's templates, and the keep-mode function (LoRA matrices in the graph)."""
     family, root, result = family_build
     cache = root / ".adapterpack-cache"
-    (template,) = (cache / "templates").glob("*.mlpackage")
+    (template,) = (cache / "bases").glob("*/base.mlpackage")
     kept_part = next(
-        path for path in cache.glob("*.mlpackage") if '"lora": "keep"' in path.with_suffix(".part.json").read_text()
+        entry / "part.mlpackage" for entry in (cache / "parts").iterdir()
+        if json.loads((entry / "entry.json").read_text())["about"]["lora"] == "keep"
     )
     return {"base": template, "kept": kept_part}
 

@@ -89,6 +89,7 @@ def test_shape_or_dtype_change_is_refused(template, tmp_path):
 def test_patching_a_compressed_base_equals_compressing_the_changed_model(template, tmp_path, settings):
     """The fast path of a fused function: patch palettized records into the compressed base.
     It must give byte for byte what compressing the model with the new weight gives."""
+    from adapterpack.build.cache import FolderPalettes
     from adapterpack.compress.model import palettized_records
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.manifest import Compression
@@ -96,7 +97,7 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     _, w1, w2 = template
     compression = Compression(**settings)
     new = (w2.astype(np.float32) * 0.9 + 0.05).astype(np.float16)
-    store = PaletteStore(tmp_path / "palettes")
+    store = PaletteStore(FolderPalettes(tmp_path / "palettes"))
     base = two_layer_program(tmp_path / "base.mlpackage", w1, w2, compression, store)
     expected = two_layer_program(tmp_path / "expected.mlpackage", w1, new, compression, store)
     before, after = palettized_records([w2, new], compression, store)

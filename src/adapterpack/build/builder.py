@@ -11,6 +11,7 @@ from pathlib import Path
 
 from adapterpack.build.parts import PART_FORMAT, Part, PartRecord, content_key, place
 from adapterpack.build.records import Reporter
+from adapterpack.errors import BadInput
 from adapterpack.inputs.checked import CheckedInputs, hf_name
 from adapterpack.mlpackage.merge import merge_functions
 from adapterpack.mlpackage.metadata import library_versions, package_metadata
@@ -33,13 +34,14 @@ def build_parts(
     Returns the parts and the names of the functions reused from the cache. The base is loaded
     only if some part has to be built.
     """
+    from adapterpack.build.cache import FolderPalettes
     from adapterpack.compress.palettes import PaletteStore
 
     manifest = checked.manifest
     folder.mkdir(parents=True, exist_ok=True)
     # Palettes go to disk even without a build cache: a fused function's patch re-reads the
     # base's, and holding a 1B model's in memory would cost over a gigabyte.
-    palettes = PaletteStore(cache.folder / "palettes" if cache is not None else folder / ".palettes")
+    palettes = PaletteStore(cache.palette_files() if cache is not None else FolderPalettes(folder / ".palettes"))
     names = only or manifest.function_names
     name_for_client = hf_name(checked)
     reused: list[str] = []
@@ -48,13 +50,21 @@ def build_parts(
     records = {name: PartRecord.for_function(checked, name, name_for_client) for name in names}
     targets = {name: folder / f"{name}.mlpackage" for name in names}
     try:
-        # Cached parts first: a kept adapter's function can then be patched from any of them.
+        # Cached parts first (re-hashed side by side): a kept adapter's function can then be
+        # patched from any of them.
+        cached = {}
+        if cache is not None and (cache.folder / "parts").is_dir():
+            with reporter.stage("build cache: re-hash the parts it holds"):
+                cached = cache.parts(records[name].key for name in names)
         for name in names:
-            cached = cache.get(records[name].key) if cache is not None else None
-            if cached is not None:
+            if records[name].key in cached:
                 with reporter.stage(f"{name}: unchanged, reused from the build cache"):
-                    place(cached, targets[name])
+                    place(cached[records[name].key], targets[name])
                 reused.append(name)
+        to_build = [name for name in names if name not in reused]
+        if to_build:
+            with reporter.stage("check that the weights fit float16"):
+                check_float16_range(checked, to_build, cache)
         for name in names:
             if name not in reused:
                 if builder is None:
@@ -62,13 +72,57 @@ def build_parts(
                 builder.build(name, targets[name], finished={n: targets[n] for n in names if n in reused or n in built})
                 built.append(name)
                 if cache is not None:
-                    cache.put(records[name].key, targets[name], records[name])
+                    cache.put_part(records[name].key, targets[name], records[name])
         parts = [Part(records[name], targets[name]) for name in names]
     finally:
         if builder is not None:
             builder.close()
         shutil.rmtree(folder / ".palettes", ignore_errors=True)
     return parts, reused
+
+
+# Bump when what the float16 range check computes changes.
+FLOAT16_CHECK = 1
+
+
+def check_float16_range(checked: CheckedInputs, functions: list[str], cache=None) -> None:
+    """BadInput (exit 2) naming the tensor, before any conversion, when a weight of the base, a
+    fused adapter's weight or a kept adapter's LoRA matrix does not fit float16 (see
+    ``inputs.float16``). The base's magnitudes are read once per base and kept in the cache."""
+    from adapterpack.inputs import float16
+
+    base = checked.base
+    key = content_key({"check": "float16-range", "version": FLOAT16_CHECK, "base": base.content_hash})
+    magnitudes = cache.checks(key) if cache is not None else None
+    if magnitudes is None:
+        magnitudes = float16.tensor_magnitudes(base.tensors)
+    float16.check_base(magnitudes, base.tensors)
+    if cache is not None:
+        cache.put_checks(key, magnitudes, base.content_hash)
+    manifest = checked.manifest
+    for name in functions:
+        adapter = manifest.adapter(name)
+        if adapter is None:
+            continue
+        info = checked.adapters[name]
+        safetensors = {key: t for key, t in info.tensors.items() if t.file.suffix == ".safetensors"}
+        if manifest.lora_mode(name) == "keep":
+            float16.check_adapter_tensors(safetensors, "a kept adapter's LoRA matrices are")
+            continue
+        replaced = {key: t for key, t in safetensors.items() if any(f".{m}." in f".{key}" for m in info.modules_to_save)}
+        float16.check_adapter_tensors(replaced, "the modules it replaces are")
+        bounds = float16.fused_bounds(info.config, safetensors, float(adapter.scale), magnitudes)
+        if all(float16.fits(bound) for bound in bounds.values()):
+            continue
+        from adapterpack.convert.lora import fused_magnitudes
+
+        exact = fused_magnitudes(base, info, scale=float(adapter.scale)) or {}
+        for tensor in sorted(exact):
+            if not float16.fits(exact[tensor]):
+                raise BadInput(
+                    f"{info.folder}: fused with scale {adapter.scale}, {tensor} {float16.describe(exact[tensor])}: "
+                    "it does not fit float16, which Core ML stores weights in; lower the scale or use lora: keep"
+                )
 
 
 def template_key(checked: CheckedInputs, compression=None) -> str:
@@ -322,8 +376,9 @@ class _PartBuilder:
         self.palettes.clear()
 
 
-def merge_parts(parts: list[Part], destination: Path) -> None:
-    """Merge parts (all from one manifest, see ``parts.read_parts``) into one package with metadata."""
+def merge_parts(parts: list[Part], destination: Path) -> dict[str, str]:
+    """Merge parts (all from one manifest, see ``parts.read_parts``) into one package with
+    metadata; returns each function's digest (``mlpackage.digest``)."""
 
     first = parts[0].record
     records = [record.function_record() for record, _ in parts]
@@ -338,7 +393,7 @@ def merge_parts(parts: list[Part], destination: Path) -> None:
     )
     names = [r.name for r in records]
     description = f"{first.manifest_name}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"
-    merge_functions(
+    return merge_functions(
         {record.function: path for record, path in parts},
         default_function=first.default_function,
         destination=destination,

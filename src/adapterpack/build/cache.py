@@ -1,107 +1,404 @@
-"""The build cache: parts, converted bases (templates), palettes and verdicts on disk, keyed by
-content, written atomically and pruned with the manifest's latest build.
+"""The build cache: parts, converted bases, palettes, value checks and verdicts on disk, keyed by
+content.
+
+A cache directory is input from outside the build (CI restores it from storage that another
+branch's workflow may have written, a partial restore can truncate it, a runner's disk can rot
+it), so nothing in it is trusted as found:
+
+- every entry is a folder ``KIND/KEY/`` holding its files and ``entry.json``: what wrote it, and
+  the size and SHA-256 of each file, computed when the entry is written;
+- an entry is written whole under a temporary name and renamed into place, so readers (other
+  builds sharing the folder) see a complete entry or none; when two builds write one key, the
+  first rename wins and the second discards its copy (the same inputs gave the same bytes);
+- reuse re-hashes every file, streaming, and compares: a missing, extra or changed file is a
+  one-line warning naming the entry, which is dropped (renamed away, then deleted, so never left
+  half-deleted) and built again;
+- a verdict is keyed by the digest of the function's bytes as they land in the package (and the
+  inputs its reference came from), so it vouches for exactly the bytes it was given.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.build.parts import PART_SUFFIX, PartRecord, place
+from adapterpack.build.parts import PartRecord, place
 from adapterpack.verify.reports import function_report_from_json
 
 log = logging.getLogger(__name__)
 
 
-TEMPLATES = "templates"
+ENTRY_FILE = "entry.json"
 
 
-VERIFIED = "verified"
+# Bump when an entry's layout changes; entries of another layout are stale, never read.
+ENTRY_LAYOUT = 1
 
 
-def _store(folder: Path, key: str, package: Path) -> Path:
-    """Put ``package`` at ``folder/KEY.mlpackage`` by an atomic rename (its record file, written
-    after, is what marks the entry complete); returns that path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    temporary = folder / f".{key}.incoming"
-    shutil.rmtree(temporary, ignore_errors=True)
-    place(package, temporary)
-    target = folder / f"{key}.mlpackage"
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(temporary, target)
-    return target
+# What each kind of entry holds (the names ``cache info`` shows).
+KINDS = {
+    "parts": "one function's compressed program (a part)",
+    "bases": "the base converted once, uncompressed or compressed",
+    "palettes": "a weight's palettes (4-bit etc.), reused when it is palettized again",
+    "checks": "the base's largest weight magnitudes (the float16 range check)",
+    "verdicts": "a passing verification, for the exact bytes it was given",
+}
 
 
-class PartCache:
-    """Parts on disk by content key (default: ``.adapterpack-cache`` beside the output)."""
+PART_PACKAGE = "part.mlpackage"
+BASE_PACKAGE = "base.mlpackage"
+
+
+# Hashing threads: hashlib releases the GIL, so entries re-hash on both cores.
+HASH_WORKERS = 2
+
+
+# Temporary folders older than this are left by a build that was killed, not one that is writing.
+STALE_SECONDS = 24 * 3600
+
+
+_CHUNK = 1 << 22
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _payload_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != ENTRY_FILE)
+
+
+def _digests(folder: Path) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every payload file under ``folder``."""
+    files = _payload_files(folder)
+    with ThreadPoolExecutor(HASH_WORKERS) as pool:
+        hashes = list(pool.map(file_sha256, files))
+    return {f.relative_to(folder).as_posix(): [f.stat().st_size, h] for f, h in zip(files, hashes)}
+
+
+@dataclass
+class Entry:
+    """One entry on disk, as ``entry.json`` describes it."""
+
+    kind: str
+    key: str
+    folder: Path
+    about: dict  # what wrote it: a part's record, a base's digest, ...
+    files: dict[str, list]  # relative path -> [size, sha256]
+    last_used: float  # seconds since the epoch: entry.json's modification time
+
+    @property
+    def size(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.key[:16]}"
+
+    def problem(self, *, sizes_only: bool = False) -> str | None:
+        """Why the files on disk are not the ones recorded (None when they are)."""
+        present = {f.relative_to(self.folder).as_posix(): f for f in _payload_files(self.folder)}
+        missing = sorted(set(self.files) - set(present))
+        if missing:
+            return f"{missing[0]} is missing"
+        extra = sorted(set(present) - set(self.files))
+        if extra:
+            return f"{extra[0]} is not one of its files"
+        for name, (size, _) in sorted(self.files.items()):
+            if present[name].stat().st_size != size:
+                return f"{name} has {present[name].stat().st_size:,} bytes, {size:,} were written"
+        if sizes_only:
+            return None
+        names = sorted(self.files)
+        with ThreadPoolExecutor(HASH_WORKERS) as pool:
+            hashes = list(pool.map(lambda n: file_sha256(present[n]), names))
+        for name, found in zip(names, hashes):
+            if found != self.files[name][1]:
+                return f"{name} is not the file that was written (sha256 {found[:12]}, recorded {self.files[name][1][:12]})"
+        return None
+
+
+class BuildCache:
+    """Entries by kind and content key under ``folder`` (default: ``.adapterpack-cache`` beside
+    the output). ``warn(line)`` reports a damaged entry (default: the log)."""
+
+    def __init__(self, folder: Path, warn: Callable[[str], None] | None = None):
+        self.folder = Path(folder)
+        self.warn = warn or log.warning
+
+    # -- entries ---------------------------------------------------------------------------
+
+    def _read(self, folder: Path, kind: str) -> Entry | None:
+        try:
+            data = json.loads((folder / ENTRY_FILE).read_text())
+            if data.get("layout") != ENTRY_LAYOUT or not isinstance(data.get("files"), dict):
+                return None
+            return Entry(kind, folder.name, folder, data.get("about") or {}, data["files"], (folder / ENTRY_FILE).stat().st_mtime)
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def entries(self, kinds: Iterable[str] = KINDS) -> Iterator[Entry | Path]:
+        """Every entry; a folder that is not a readable entry is yielded as its path."""
+        for kind in kinds:
+            root = self.folder / kind
+            if not root.is_dir():
+                continue
+            for folder in sorted(root.iterdir()):
+                if folder.name.startswith(".") or not folder.is_dir():
+                    continue
+                yield self._read(folder, kind) or folder
+
+    def open(self, kind: str, key: str) -> Path | None:
+        """The folder of entry ``kind/key`` after its files were re-hashed and found as written;
+        None when there is none (a damaged one is reported and dropped)."""
+        return self.open_many(kind, [key]).get(key)
+
+    def open_many(self, kind: str, keys: Iterable[str]) -> dict[str, Path]:
+        """``open`` for several keys, the entries re-hashed side by side on both cores."""
+        found = {}
+        for key in keys:
+            folder = self.folder / kind / key
+            if not folder.is_dir():
+                continue
+            entry = self._read(folder, kind)
+            if entry is None:
+                self.warn(f"build cache: {kind}/{key[:16]} has no readable {ENTRY_FILE} (an interrupted copy?): dropped, built again")
+                self.drop(folder)
+                continue
+            found[key] = entry
+        if len(found) > 1:
+            with ThreadPoolExecutor(HASH_WORKERS) as pool:
+                problems = dict(zip(found, pool.map(lambda e: e.problem(), found.values())))
+        else:
+            problems = {key: entry.problem() for key, entry in found.items()}
+        opened = {}
+        for key, entry in found.items():
+            if problems[key] is not None:
+                self.warn(f"build cache: {entry.name} is damaged ({problems[key]}): dropped, built again")
+                self.drop(entry.folder)
+                continue
+            try:
+                os.utime(entry.folder / ENTRY_FILE)  # last use, for pruning the least recently used
+            except OSError:
+                pass
+            opened[key] = entry.folder
+        return opened
+
+    def write(self, kind: str, key: str, files: Mapping[str, Path | bytes], about: dict) -> Path:
+        """Store ``files`` (name -> a file or package folder to copy, or bytes) as entry
+        ``kind/key``, atomically; returns the entry's folder. An entry already there (another
+        build wrote the same key) is kept."""
+        root = self.folder / kind
+        root.mkdir(parents=True, exist_ok=True)
+        incoming = root / f".incoming-{uuid.uuid4().hex}"
+        incoming.mkdir()
+        try:
+            for name, source in files.items():
+                target = incoming / name
+                if isinstance(source, bytes):
+                    target.write_bytes(source)
+                elif source.is_dir():
+                    place(source, target)
+                else:
+                    _link_or_copy(source, target)
+            record = {"layout": ENTRY_LAYOUT, "kind": kind, "key": key, "about": about, "files": _digests(incoming)}
+            (incoming / ENTRY_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
+            final = root / key
+            try:
+                os.rename(incoming, final)
+            except OSError:
+                if not (final / ENTRY_FILE).is_file():
+                    raise
+                shutil.rmtree(incoming, ignore_errors=True)  # another build wrote it first
+            return final
+        except BaseException:
+            shutil.rmtree(incoming, ignore_errors=True)
+            raise
+
+    def drop(self, folder: Path) -> None:
+        """Remove an entry: renamed out of its kind's namespace first, so no reader ever finds it
+        half-deleted, then deleted."""
+        trash = self.folder / f".trash-{uuid.uuid4().hex}"
+        try:
+            os.rename(folder, trash)
+        except OSError:
+            return  # already gone (another build dropped it)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def clean_leftovers(self, older_than: float = STALE_SECONDS) -> int:
+        """Delete temporary folders that killed builds left (never a running build's); returns bytes freed."""
+        freed = 0
+        now = time.time()
+        candidates = list(self.folder.glob(".trash-*")) + [p for kind in KINDS for p in (self.folder / kind).glob(".incoming-*")]
+        for path in candidates:
+            try:
+                if now - path.stat().st_mtime < older_than:
+                    continue
+                freed += _folder_bytes(path)
+                shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                continue
+        return freed
+
+    # -- what the build stores -------------------------------------------------------------
+
+    def part(self, key: str) -> Path | None:
+        return self.parts([key]).get(key)
+
+    def parts(self, keys: Iterable[str]) -> dict[str, Path]:
+        return {key: folder / PART_PACKAGE for key, folder in self.open_many("parts", keys).items()}
+
+    def put_part(self, key: str, package: Path, record: PartRecord) -> None:
+        self.write("parts", key, {PART_PACKAGE: package}, record.as_json())
+
+    def template(self, key: str) -> Path | None:
+        """A converted (and possibly compressed) base, by key; see ``builder._PartBuilder``."""
+        folder = self.open("bases", key)
+        return folder / BASE_PACKAGE if folder is not None else None
+
+    def put_template(self, key: str, package: Path, base_sha256: str) -> None:
+        self.write("bases", key, {BASE_PACKAGE: package}, {"base": base_sha256})
+
+    def checks(self, key: str) -> dict | None:
+        folder = self.open("checks", key)
+        try:
+            return json.loads((folder / "check.json").read_text()) if folder is not None else None
+        except (OSError, ValueError):
+            return None
+
+    def put_checks(self, key: str, result: dict, base_sha256: str) -> None:
+        self.write("checks", key, {"check.json": json.dumps(result, sort_keys=True).encode()}, {"base": base_sha256})
+
+    def verified(self, keys: dict[str, str]) -> dict:
+        """{function: FunctionReport} of the functions whose verdict key has a stored verdict."""
+        opened = self.open_many("verdicts", keys.values())
+        found = {}
+        for function, key in keys.items():
+            if key in opened:
+                try:
+                    found[function] = function_report_from_json(json.loads((opened[key] / "verdict.json").read_text()))
+                except (OSError, ValueError, TypeError):
+                    continue
+        return found
+
+    def put_verified(self, reports: dict) -> None:
+        """Store passing verdicts by verdict key (failures are always run again)."""
+        for key, report in reports.items():
+            if report.passed:
+                payload = json.dumps(vars(report), sort_keys=True).encode()
+                self.write("verdicts", key, {"verdict.json": payload}, {"function": report.name, "digest": report.digest})
+
+    def palette_files(self) -> CachedPalettes:
+        return CachedPalettes(self)
+
+    # -- pruning ---------------------------------------------------------------------------
+
+    def prune_build(self, manifest_name: str, keep: set[str], base_sha256: str | None = None, templates: set[str] = frozenset()) -> None:
+        """After a build: drop this manifest's parts that it no longer uses, and the converted
+        bases of its base that it did not use (palettes, checks and verdicts stay: a rebuild
+        after changing an adapter back needs them; ``cache prune`` bounds them)."""
+        for entry in self.entries(("parts", "bases")):
+            if not isinstance(entry, Entry):
+                continue
+            if entry.kind == "parts" and entry.key not in keep and entry.about.get("manifest_name") == manifest_name:
+                self.drop(entry.folder)
+            elif entry.kind == "bases" and base_sha256 and entry.key not in templates and entry.about.get("base") == base_sha256:
+                self.drop(entry.folder)
+
+    def prune(self, *, max_bytes: int | None = None, older_than_days: float | None = None) -> list[Entry | Path]:
+        """Drop entries unused for ``older_than_days``, then the least recently used until the
+        cache holds at most ``max_bytes``; also unreadable entries, files of an older layout
+        and leftovers of killed builds. Returns what was dropped."""
+        dropped: list[Entry | Path] = []
+        entries = []
+        for entry in self.entries():
+            if isinstance(entry, Entry):
+                entries.append(entry)
+            else:
+                dropped.append(entry)
+                self.drop(entry)
+        for path in self.legacy():
+            dropped.append(path)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        self.clean_leftovers()
+        entries.sort(key=lambda e: e.last_used)
+        if older_than_days is not None:
+            limit = time.time() - older_than_days * 86400
+            while entries and entries[0].last_used < limit:
+                dropped.append(entries.pop(0))
+                self.drop(dropped[-1].folder)
+        if max_bytes is not None:
+            total = sum(e.size for e in entries)
+            while entries and total > max_bytes:
+                oldest = entries.pop(0)
+                total -= oldest.size
+                dropped.append(oldest)
+                self.drop(oldest.folder)
+        return dropped
+
+    def legacy(self) -> list[Path]:
+        """Files an older adapterpack's cache layout left (never read by this one)."""
+        found = [p for p in self.folder.glob("*.mlpackage")] + list(self.folder.glob("*.part.json"))
+        found += [p for p in (self.folder / "templates", self.folder / "verified") if p.exists()]
+        found += list((self.folder / "palettes").glob("*.npz"))
+        return sorted(found)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _folder_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class CachedPalettes:
+    """The palette store's files (``compress.palettes.PaletteFiles``) as cache entries."""
+
+    def __init__(self, cache: BuildCache):
+        self.cache = cache
+
+    def read(self, key: str) -> bytes | None:
+        folder = self.cache.open("palettes", key)
+        try:
+            return (folder / "palettes.npz").read_bytes() if folder is not None else None
+        except OSError:
+            return None
+
+    def write(self, key: str, data: bytes) -> None:
+        self.cache.write("palettes", key, {"palettes.npz": data}, {})
+
+
+class FolderPalettes:
+    """The palette store's files in a build's own working folder (nobody else writes there)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
 
-    def get(self, key: str) -> Path | None:
-        package = self.folder / f"{key}.mlpackage"
-        if package.is_dir() and (self.folder / f"{key}{PART_SUFFIX}").is_file():
-            return package
-        return None
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.folder / f"{key}.npz").read_bytes()
+        except OSError:
+            return None
 
-    def put(self, key: str, package: Path, record: PartRecord) -> None:
-        _store(self.folder, key, package)
-        (self.folder / f"{key}{PART_SUFFIX}").write_text(json.dumps(record.as_json(), indent=2, sort_keys=True))
-
-    def template(self, key: str) -> Path | None:
-        """A converted (and possibly compressed) base, by key; see ``builder._PartBuilder``."""
-        package = self.folder / TEMPLATES / f"{key}.mlpackage"
-        return package if package.is_dir() and package.with_suffix(".json").is_file() else None
-
-    def put_template(self, key: str, package: Path, base_sha256: str) -> None:
-        target = _store(self.folder / TEMPLATES, key, package)
-        target.with_suffix(".json").write_text(json.dumps({"base": base_sha256}))
-
-    def verified(self, keys: dict[str, str]) -> dict:
-        """{function: FunctionReport} of the functions whose verification key has a stored verdict."""
-
-        found = {}
-        for function, key in keys.items():
-            path = self.folder / VERIFIED / f"{key}.json"
-            try:
-                found[function] = function_report_from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError):
-                continue
-        return found
-
-    def put_verified(self, reports: dict) -> None:
-        """Store passing verdicts by verification key (failures are always run again)."""
-        folder = self.folder / VERIFIED
-        folder.mkdir(parents=True, exist_ok=True)
-        for key, report in reports.items():
-            if report.passed:
-                temporary = folder / f".{key}.incoming"
-                temporary.write_text(json.dumps(vars(report), sort_keys=True))
-                os.replace(temporary, folder / f"{key}.json")
-
-    def prune(self, manifest_name: str, keep: set[str], base_sha256: str | None = None, templates: set[str] = frozenset()) -> None:
-        """Drop this manifest's entries that the latest build no longer uses, and the templates of
-        its base that it did not use (palettes are kept: a rebuild after changing an adapter
-        needs the base's palettes)."""
-        if not self.folder.is_dir():
-            return
-        for record_file in (self.folder / TEMPLATES).glob("*.json") if base_sha256 else ():
-            try:
-                base = json.loads(record_file.read_text()).get("base")
-            except (OSError, json.JSONDecodeError, AttributeError):
-                base = None
-            if record_file.stem not in templates and base in (base_sha256, None):
-                shutil.rmtree(record_file.with_suffix(".mlpackage"), ignore_errors=True)
-                record_file.unlink(missing_ok=True)
-        for record_file in self.folder.glob(f"*{PART_SUFFIX}"):
-            key = record_file.name[: -len(PART_SUFFIX)]
-            try:
-                record = json.loads(record_file.read_text())
-            except (OSError, json.JSONDecodeError):
-                record = {}
-            if key not in keep and record.get("manifest_name") in (manifest_name, None):
-                shutil.rmtree(self.folder / f"{key}.mlpackage", ignore_errors=True)
-                record_file.unlink(missing_ok=True)
+    def write(self, key: str, data: bytes) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"{key}.npz").write_bytes(data)

@@ -18,7 +18,7 @@ from adapterpack.build.builder import (
     merge_parts,
     template_key,
 )
-from adapterpack.build.cache import PartCache
+from adapterpack.build.cache import BuildCache
 from adapterpack.build.parts import PartRecord, read_parts, write_part
 from adapterpack.build.records import BuildOptions, BuildResult, Reporter
 from adapterpack.build.staging import Staging
@@ -75,24 +75,26 @@ def build(
 
 
     cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
-    cache = PartCache(cache_dir) if options.use_cache else None
+    cache = BuildCache(cache_dir) if options.use_cache else None
     with Staging(destination) as staging:
         parts, reused = build_parts(checked, staging.folder / "parts", reporter, cache=cache)
         records = [record.function_record() for record, _ in parts]
         part_sizes = {record.function: folder_size(path) for record, path in parts}
         merged = staging.folder / destination.name
         with reporter.stage("merge functions"):
-            merge_parts(parts, merged)
+            digests = merge_parts(parts, merged)
         check_device_rules(merged, strict=options.strict, sizes_checked=True)
         report = None
         backend = options.backend
         if options.verify:
 
-            keys = {record.function: verification_key(record, manifest, backend) for record, _ in parts}
+            keys = {record.function: verdict_key(record, digests[record.function], manifest, backend) for record, _ in parts}
             reuse = cache.verified(keys) if cache is not None else {}
             label = f"verify {len(records) - len(reuse)} function(s) ({backend})"
-            with reporter.stage(label + (f"; {len(reuse)} unchanged since verified" if reuse else "")):
-                report = verify_package(merged, manifest, backend=backend, checked=checked, reuse=reuse, stage=reporter.stage)
+            with reporter.stage(label + (f"; {len(reuse)} with bytes equal to bytes verified before" if reuse else "")):
+                report = verify_package(
+                    merged, manifest, backend=backend, checked=checked, reuse=reuse, digests=digests, stage=reporter.stage
+                )
             if not report.passed:
                 raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
             if cache is not None:
@@ -100,7 +102,7 @@ def build(
         staging.commit(merged)
     if cache is not None:
         templates = {template_key(checked)} | {template_key(checked, manifest.compression_for(n)) for n in manifest.function_names}
-        cache.prune(manifest.name, {record.key for record, _ in parts}, checked.base.content_hash, templates)
+        cache.prune_build(manifest.name, {record.key for record, _ in parts}, checked.base.content_hash, templates)
 
     result = BuildResult(
         output=destination,
@@ -143,14 +145,21 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
 CACHE_FOLDER = ".adapterpack-cache"
 
 
-def verification_key(record: PartRecord, manifest: Manifest, backend: str) -> str:
-    """Cache key of a function's verdict: its part (inputs, settings, versions), the verify
-    settings and thresholds, and the backend."""
+def verdict_key(record: PartRecord, digest: str, manifest: Manifest, backend: str) -> str:
+    """Cache key of a function's verdict: the digest of its bytes as they are in the package
+    (``mlpackage.digest``), what its reference is made from (the part's inputs, settings and
+    versions), the verify settings and thresholds, and the backend. A verdict so keyed vouches
+    for exactly the bytes it was given."""
     import hashlib
     import json
 
-
-    payload = {"part": record.key, "verify": manifest.verify.model_dump(mode="json"), "backend": backend, "format": VERIFY_FORMAT}
+    payload = {
+        "bytes": digest,
+        "part": record.key,
+        "verify": manifest.verify.model_dump(mode="json"),
+        "backend": backend,
+        "format": VERIFY_FORMAT,
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -179,7 +188,7 @@ def build_function_part(
     with Staging(parts_dir / f"{function}.mlpackage") as staging:
 
         use_cache = options.cache_dir is not None and options.use_cache
-        cache = PartCache(Path(options.cache_dir)) if use_cache else None
+        cache = BuildCache(Path(options.cache_dir)) if use_cache else None
         parts, _ = build_parts(checked, staging.folder, reporter, cache=cache, only=[function])
         return write_part(parts_dir, parts[0])
 

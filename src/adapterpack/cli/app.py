@@ -23,8 +23,11 @@ from adapterpack.build.release import release as run_release
 from adapterpack.cli.boundary import configure_logging, error_boundary
 from adapterpack.cli.render import (
     ConsoleReporter,
+    cache_listing,
+    cache_table,
     human_size,
     out,
+    parse_size,
     print_build,
     print_inspection,
     verify_table,
@@ -369,6 +372,103 @@ def inspect(
             print_inspection(report, estimate, budget, top)
         if strict and report.device_findings:
             raise BadInput(f"{report.device_findings[0].line()} (an error with --strict)")
+
+
+cache_app = typer.Typer(
+    help="Inspect, check and bound a build cache (default .adapterpack-cache). " + EXIT_HELP,
+    no_args_is_help=True,
+)
+app.add_typer(cache_app, name="cache")
+CacheFolderArg = Annotated[Path, typer.Argument(help="The build cache folder", show_default=True)]
+
+
+def _open_cache(folder: Path):
+    from adapterpack.build.cache import BuildCache
+
+    if not folder.is_dir():
+        raise BadInput(f"{folder}: no build cache here (builds make .adapterpack-cache beside their output)")
+    return BuildCache(folder, warn=log.warning)
+
+
+@cache_app.command("info")
+def cache_info(
+    folder: CacheFolderArg = Path(".adapterpack-cache"),
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable listing")] = False,
+) -> None:
+    """What a build cache holds: entries by kind, their size and when each was last used.
+
+    Example: adapterpack cache info build/.adapterpack-cache
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        cache = _open_cache(folder)
+        listing = cache_listing(cache)
+        if as_json:
+            print(json.dumps(listing, indent=2))
+        else:
+            out.print(cache_table(listing))
+
+
+@cache_app.command("verify")
+def cache_verify(folder: CacheFolderArg = Path(".adapterpack-cache")) -> None:
+    """Re-hash every entry against the SHA-256 recorded when it was written.
+
+    Damaged entries are dropped (the next build makes them again) and the command exits 3.
+
+    Example: adapterpack cache verify build/.adapterpack-cache
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        from adapterpack.build.cache import Entry
+
+        cache = _open_cache(folder)
+        checked = damaged = 0
+        for entry in cache.entries():
+            if not isinstance(entry, Entry):
+                out.print(f"{entry}: not a readable entry: dropped", highlight=False)
+                cache.drop(entry)
+                damaged += 1
+                continue
+            checked += 1
+            problem = entry.problem()
+            if problem is not None:
+                out.print(f"{entry.name}: damaged ({problem}): dropped", highlight=False)
+                cache.drop(entry.folder)
+                damaged += 1
+        if damaged:
+            raise VerificationFailed(f"cache verify: {damaged} damaged entr{'y' if damaged == 1 else 'ies'} dropped, {checked - damaged} intact")
+        out.print(f"cache verify: all {checked} entries intact", highlight=False)
+
+
+@cache_app.command("prune")
+def cache_prune(
+    folder: CacheFolderArg = Path(".adapterpack-cache"),
+    max_size: Annotated[
+        str | None, typer.Option("--max-size", help="Drop the least recently used entries until the cache holds at most this, e.g. 8GB")
+    ] = None,
+    older_than: Annotated[
+        float | None, typer.Option("--older-than", help="Drop entries no build has used for this many days", min=0)
+    ] = None,
+) -> None:
+    """Drop unused entries, each one whole.
+
+    An entry is renamed away before it is deleted, so a build sharing the folder never finds
+    half of one. Without options, drops only what no build can use: unreadable entries, an
+    older adapterpack's files, leftovers of killed builds.
+
+    Example: adapterpack cache prune build/.adapterpack-cache --max-size 8GB --older-than 30
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        cache = _open_cache(folder)
+        before = cache_listing(cache)["bytes"]
+        dropped = cache.prune(max_bytes=parse_size(max_size) if max_size is not None else None, older_than_days=older_than)
+        after = cache_listing(cache)["bytes"]
+        out.print(
+            f"cache prune: dropped {len(dropped)} entr{'y' if len(dropped) == 1 else 'ies'}, "
+            f"{human_size(before)} -> {human_size(after)}",
+            highlight=False,
+        )
 
 
 def main() -> None:

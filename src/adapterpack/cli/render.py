@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from adapterpack.build.records import ProgressLines, progress_text
-from adapterpack.verify.reports import REUSED_NOTE
+from adapterpack.errors import BadInput
 
 # CI logs are not terminals; rich would wrap tables at 80 columns there.
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -84,6 +84,61 @@ def human_size(size: int) -> str:
     return f"{value:.1f} GB"
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "T": 1 << 40, "TB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size like 8GB, 500MB, 1.5G or 1000000 (binary units, as ``human_size`` prints)."""
+    import re
+
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = found.group(2).upper().removesuffix("IB") if found else ""
+    if found is None or unit not in _SIZE_UNITS:
+        raise BadInput(f"--max-size {text!r}: give a size such as 8GB, 500MB or 1000000 (bytes)")
+    return int(float(found.group(1)) * _SIZE_UNITS[unit])
+
+
+def cache_listing(cache) -> dict:
+    """What a build cache holds, by kind (``build.cache.BuildCache``): JSON-ready."""
+    import time
+
+    from adapterpack.build.cache import KINDS, Entry
+
+    kinds = {kind: {"entries": 0, "bytes": 0, "last_used": None, "holds": what} for kind, what in KINDS.items()}
+    unreadable = []
+    for entry in cache.entries():
+        if not isinstance(entry, Entry):
+            unreadable.append(str(entry))
+            continue
+        row = kinds[entry.kind]
+        row["entries"] += 1
+        row["bytes"] += entry.size
+        row["last_used"] = max(row["last_used"] or 0, entry.last_used)
+    legacy = cache.legacy()
+    for row in kinds.values():
+        if row["last_used"] is not None:
+            row["last_used"] = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["last_used"]))
+    return {
+        "folder": str(cache.folder),
+        "bytes": sum(row["bytes"] for row in kinds.values()),
+        "kinds": kinds,
+        "unreadable": unreadable,
+        "older_layout": [str(p) for p in legacy],
+    }
+
+
+def cache_table(listing: dict) -> Table:
+    table = Table(title=f"{listing['folder']}: {human_size(listing['bytes'])}", title_justify="left")
+    for column in ("kind", "entries", "size", "last used", "holds"):
+        table.add_column(column, justify="right" if column in ("entries", "size") else "left")
+    for kind, row in listing["kinds"].items():
+        table.add_row(kind, str(row["entries"]), human_size(row["bytes"]), row["last_used"] or "-", row["holds"])
+    if listing["unreadable"] or listing["older_layout"]:
+        stale = len(listing["unreadable"]) + len(listing["older_layout"])
+        table.add_row("(stale)", str(stale), "", "", "unreadable entries or an older adapterpack's files: `adapterpack cache prune` drops them")
+    return table
+
+
 def verify_table(report) -> Table:
     """The per-function checklist of a verification."""
 
@@ -94,8 +149,7 @@ def verify_table(report) -> Table:
     for f in report.functions:
         kept = "-" if f.retention is None else f"{f.retention:.3f}"
         result = "[green]pass[/]" if f.passed else "[red]FAIL[/]: " + "; ".join(f.failures)
-        if REUSED_NOTE in f.notes:
-            result += " (unchanged, verified before)"
+        result += f" ({f.provenance()})"
         table.add_row(
             f.name, f.compression, f.drive or "-", f"{f.cosine:.5f}", f"{f.max_abs_error:.3g}", f"{f.top1:.1%}",
             f"{f.kl:.2e}", kept, result,

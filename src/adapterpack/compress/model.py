@@ -121,7 +121,7 @@ def compress_model(
         log.debug("compressing with %s; kept float16: %s", compression.describe(), sorted(excluded))
         with captured_output():
             mlmodel = apply(mlmodel, config=config)
-        if palettes.folder is not None:
+        if palettes.files is not None:
             # Palettes are on disk now; the next function reloads what it shares in a moment.
             palettes.clear()
     del values

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -35,6 +35,14 @@ PRIME_BATCH_VALUES = 1 << 24
 PALETTE_WORKERS = 2
 
 Palettes = tuple[np.ndarray, np.ndarray]  # (luts, indices)
+
+
+class PaletteFiles(Protocol):
+    """Where a store keeps palettes by key (the build cache, or a build's working folder)."""
+
+    def read(self, key: str) -> bytes | None: ...
+
+    def write(self, key: str, data: bytes) -> None: ...
 
 
 _threads_lock = threading.Lock()
@@ -83,12 +91,12 @@ class PaletteStore:
     function, ``tensor_palettes`` for whole tensors (the weight patch); ``folder`` (optional)
     keeps them on disk across functions and builds.
 
-        store = PaletteStore(cache / "palettes")
+        store = PaletteStore(cache.palette_files())
         compress_model(mlmodel, compression, palettes=store)
     """
 
-    def __init__(self, folder: Path | None = None):
-        self.folder = Path(folder) if folder is not None else None
+    def __init__(self, files: PaletteFiles | None = None):
+        self.files = files
         self._memo: dict[tuple[bytes, int, str, tuple[int, ...]], Palettes] = {}
 
     def serve(self, group: np.ndarray, nbits: int) -> Palettes:
@@ -213,18 +221,19 @@ class PaletteStore:
         """Forget primed palettes (those on disk stay)."""
         self._memo.clear()
 
-    def _file(self, flat: np.ndarray, nbits: int) -> Path | None:
-        if self.folder is None:
+    def _file(self, flat: np.ndarray, nbits: int) -> str | None:
+        if self.files is None:
             return None
         digest = hashlib.sha256(memoryview(np.ascontiguousarray(flat)).cast("B"))
         digest.update(f"{flat.shape}|{flat.dtype}|{nbits}|{PALETTE_ALGORITHM}".encode())
-        return self.folder / f"{digest.hexdigest()}.npz"
+        return digest.hexdigest()
 
-    def _cached(self, cached: Path | None, flat: np.ndarray, nbits: int) -> Palettes | None:
-        if cached is None or not cached.is_file():
+    def _cached(self, key: str | None, flat: np.ndarray, nbits: int) -> Palettes | None:
+        data = self.files.read(key) if key is not None else None
+        if data is None:
             return None
         try:
-            with np.load(cached, allow_pickle=False) as stored:
+            with np.load(io.BytesIO(data), allow_pickle=False) as stored:
                 luts, indices = stored["luts"], stored["indices"]
             # a damaged entry is recomputed, never used
             if luts.shape == (flat.shape[0], 1 << nbits) and indices.shape == flat.shape and indices.dtype == np.uint8:
@@ -232,13 +241,11 @@ class PaletteStore:
                     return luts, indices
         except (OSError, ValueError, KeyError, EOFError):
             pass
-        cached.unlink(missing_ok=True)
         return None
 
-    def _store(self, cached: Path | None, palettes: Palettes) -> None:
-        if cached is None:
+    def _store(self, key: str | None, palettes: Palettes) -> None:
+        if key is None:
             return
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        temporary = cached.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp.npz")
-        np.savez(temporary, luts=palettes[0], indices=palettes[1])
-        os.replace(temporary, cached)
+        buffer = io.BytesIO()
+        np.savez(buffer, luts=palettes[0], indices=palettes[1])
+        self.files.write(key, buffer.getvalue())

@@ -140,8 +140,10 @@ def applied_adapter(
                     pass
 
 
-def fused_weight_changes(base_info, adapter_info, *, scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """{tensor name: (base value, fused value)} in float16 for every tensor the adapter changes
+def fused_weight_changes(
+    base_info, adapter_info, *, scale: float, dtype: torch.dtype = torch.float16
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """{tensor name: (base value, fused value)} in ``dtype`` for every tensor the adapter changes
     (each targeted module's weight, and its bias where a LoRA bias changes it), computed without
     loading the base model.
 
@@ -183,7 +185,7 @@ def fused_weight_changes(base_info, adapter_info, *, scale: float) -> dict[str, 
                 parent.add_module(part, torch.nn.Module())
             parent = getattr(parent, part)
         parent.add_module(leaf, module)
-        originals.update({f"{target}.{name}": value.to(torch.float16) for name, value in stored.items()})
+        originals.update({f"{target}.{name}": value.to(dtype) for name, value in stored.items()})
 
     try:
         config = PeftConfig.from_pretrained(str(adapter_info.folder))
@@ -197,16 +199,37 @@ def fused_weight_changes(base_info, adapter_info, *, scale: float) -> dict[str, 
         return None  # the adapter reaches beyond its LoRA targets: let the whole model take it
     _scale(layers, scale)
     with torch.no_grad():
-        fused = _fused_weights(layers, None, torch.float16)
+        fused = _fused_weights(layers, None, dtype)
         if fused is not None:
-            return {f"{target}.weight": (originals[f"{target}.weight"], fused[target]) for target in adapter_info.target_modules}
+            changes = {f"{target}.weight": (originals[f"{target}.weight"], fused[target]) for target in adapter_info.target_modules}
+            return _finite(changes, adapter_info.folder)
         # DoRA, LoRA biases, embeddings: peft's own merge, at the stored precision
         changes = {}
         for name, layer in layers:
             layer.merge(safe_merge=True, adapter_names=[ADAPTER_NAME])
             for tensor, value in layer.get_base_layer().named_parameters(recurse=False):
-                new = value.detach().to(torch.float16)
+                new = value.detach().to(dtype)
                 old = originals[f"{name}.{tensor}"]
                 if tensor == "weight" or not torch.equal(old, new):  # a LoRA bias changes the bias
                     changes[f"{name}.{tensor}"] = (old, new)
+    return _finite(changes, adapter_info.folder)
+
+
+def _finite(changes: dict, folder: Path) -> dict:
+    """``changes``, or BadInput when a fused value does not fit its type (float16: > 65504)."""
+    for tensor, (_, new) in changes.items():
+        if new.is_floating_point() and not bool(torch.isfinite(new).all()):
+            raise BadInput(
+                f"{folder}: fusing this adapter makes {tensor} overflow {str(new.dtype).removeprefix('torch.')} "
+                "(a fused value beyond 65504 or NaN): lower the adapter's scale or use lora: keep"
+            )
     return changes
+
+
+def fused_magnitudes(base_info, adapter_info, *, scale: float) -> dict[str, float] | None:
+    """{tensor: largest |fused value|}, computed in float32, for the tensors the adapter
+    changes; None when it changes more than its LoRA targets (see ``fused_weight_changes``)."""
+    changes = fused_weight_changes(base_info, adapter_info, scale=scale, dtype=torch.float32)
+    if changes is None:
+        return None
+    return {tensor: float(new.abs().max()) if new.numel() else 0.0 for tensor, (_, new) in changes.items()}

@@ -307,6 +307,12 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     return {name: TensorInfo(e.dtype, e.shape, file) for name, e in entries.items()}
 
 
+def tensor_data_ranges(file: Path) -> dict[str, tuple[int, int]]:
+    """{tensor: (first byte, end byte)} of each tensor's data in the file (header checked)."""
+    entries, data_start = _parse_header(Path(file))
+    return {name: (data_start + e.begin, data_start + e.end) for name, e in entries.items()}
+
+
 def check_finite(file: Path, tensors: dict[str, TensorInfo]) -> None:
     """Raise BadInput naming the file and tensor if any float tensor holds NaN or Inf.
 

@@ -1,5 +1,5 @@
 """The ``.mlpackage`` on disk, and the one place that knows its bytes: the weight-blob format,
-the model spec, the functions it declares, package metadata, the streaming multifunction merge,
+the model spec, the functions it declares and their digests, package metadata, the streaming multifunction merge,
 and patching weight records in place."""
 
-__all__ = ["blob", "functions", "merge", "metadata", "spec", "weight_patch"]
+__all__ = ["blob", "digest", "functions", "merge", "metadata", "spec", "weight_patch"]

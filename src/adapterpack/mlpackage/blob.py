@@ -5,6 +5,7 @@ absolute data offset) and its data, each aligned to 64 bytes.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,34 @@ def record_metadata(handle, offset: int, name: str | None = None) -> tuple[bytes
     if sentinel != SENTINEL:
         raise BadInput(f"{name}: no weight record at byte {offset} (sentinel {sentinel:#x})")
     return metadata, BLOB_DTYPES.get(dtype, f"dtype {dtype}"), data_offset, length
+
+
+_CHUNK = 1 << 24
+
+
+def record_chunks(handle, offset: int, size: int):
+    """The ``size`` bytes at ``offset`` of an open file, in chunks; BadInput when it ends first."""
+    handle.seek(offset)
+    remaining = size
+    while remaining:
+        chunk = handle.read(min(remaining, _CHUNK))
+        if not chunk:
+            raise BadInput(f"{handle.name}: weight record data at byte {offset} runs past the end of the file")
+        remaining -= len(chunk)
+        yield chunk
+        handle.seek(offset + size - remaining)
+
+
+def record_identity(handle, offset: int, name: str | None = None) -> tuple[bytes, bytes, int, int]:
+    """(identity, metadata block, data offset, size) of the record at ``offset``: the identity is
+    the sha256 of its metadata without the absolute data offset, and of its data, so equal
+    records anywhere in any blob have equal identities (sha256: the hardware-accelerated hash
+    here, twice blake2b's speed on gigabytes)."""
+    metadata, _, data_offset, size = record_metadata(handle, offset, name)
+    identity = hashlib.sha256(metadata[:16] + metadata[24:])
+    for chunk in record_chunks(handle, data_offset, size):
+        identity.update(chunk)
+    return identity.digest(), metadata, data_offset, size
 
 
 class BlobWriter:

@@ -15,7 +15,6 @@ metadata offset; a copied record keeps its metadata except the absolute data off
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import struct
@@ -25,15 +24,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, record_metadata
+from adapterpack.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, record_chunks, record_identity
+from adapterpack.mlpackage.digest import blob_values, function_digest
 from adapterpack.mlpackage.metadata import METADATA_PREFIX, weights_digest
-from adapterpack.mlpackage.spec import (
-    MODEL_FOLDER,
-    SPEC_NAME,
-    load_spec_file,
-    op_values,
-    walk_ops,
-)
+from adapterpack.mlpackage.spec import MODEL_FOLDER, SPEC_NAME, load_spec_file
 from adapterpack.quiet import import_coremltools
 
 log = logging.getLogger(__name__)
@@ -50,9 +44,6 @@ PART_FUNCTION = "main"
 MULTIFUNCTION_SPEC_VERSION = 9
 
 
-_COPY_CHUNK = 1 << 24
-
-
 class _BlobWriter:
     """Appends weight records to a new blob file, each distinct (metadata, bytes) once."""
 
@@ -64,45 +55,28 @@ class _BlobWriter:
         self.written: dict[bytes, int] = {}  # record identity -> metadata offset in the new blob
         self.shared = 0
 
-    def copy(self, source: BinaryIO, offset: int, source_name: str) -> int:
-        """Copy the record whose metadata is at ``offset`` in ``source``; returns its new offset."""
-        metadata, _, data_offset, size = record_metadata(source, offset, source_name)
-        # Identity: the metadata without its absolute data offset, plus the data's digest
-        # (sha256: the hardware-accelerated hash here, twice blake2b's speed on gigabytes).
-        identity = hashlib.sha256(metadata[:16] + metadata[24:])
-        for chunk in _chunks(source, data_offset, size):
-            identity.update(chunk)
-        key = identity.digest()
+    def copy(self, source: BinaryIO, offset: int, source_name: str) -> tuple[int, bytes]:
+        """Copy the record whose metadata is at ``offset`` in ``source``; returns its new offset
+        and its identity (``blob.record_identity``)."""
+        key, metadata, data_offset, size = record_identity(source, offset, source_name)
         found = self.written.get(key)
         if found is not None:
             self.shared += 1
-            return found
+            return found, key
         position = self.handle.tell()
         data_position = position + METADATA_BYTES
         self.handle.write(metadata[:16] + struct.pack("<Q", data_position) + metadata[24:])
-        for chunk in _chunks(source, data_offset, size):
+        for chunk in record_chunks(source, data_offset, size):
             self.handle.write(chunk)
         self.handle.write(b"\0" * (-self.handle.tell() % ALIGNMENT))
         self.count += 1
         self.written[key] = position
-        return position
+        return position, key
 
     def close(self) -> None:
         self.handle.seek(0)
         self.handle.write(struct.pack("<II", self.count, 2))
         self.handle.close()
-
-
-def _chunks(handle: BinaryIO, offset: int, size: int):
-    handle.seek(offset)
-    remaining = size
-    while remaining:
-        chunk = handle.read(min(remaining, _COPY_CHUNK))
-        if not chunk:
-            raise BadInput(f"{handle.name}: weight record data at byte {offset} runs past the end of the file")
-        remaining -= len(chunk)
-        yield chunk
-        handle.seek(offset + size - remaining)
 
 
 def read_spec(package: Path):
@@ -117,8 +91,9 @@ def merge_functions(
     destination: Path,
     metadata: Mapping[str, str],
     description: str,
-) -> Path:
-    """Merge ``parts`` (function name -> single-function package) into ``destination``."""
+) -> dict[str, str]:
+    """Merge ``parts`` (function name -> single-function package) into ``destination``; returns
+    each function's digest (``digest.function_digest``) as it landed there."""
     import_coremltools()
     from coremltools.proto import Model_pb2
 
@@ -129,34 +104,35 @@ def merge_functions(
     merged = Model_pb2.Model()
     merged.specificationVersion = MULTIFUNCTION_SPEC_VERSION
     blob = _BlobWriter(model_folder / "weights" / "weight.bin")
+    digests: dict[str, str] = {}
     try:
         for name, package in parts.items():
             spec = read_spec(package)
             function = _only_function(spec, package)
             weights = package.joinpath(*MODEL_FOLDER, "weights", "weight.bin")
+            placed = {}  # offset in the part -> (offset in the merged blob, identity)
             with weights.open("rb") as source:
-                for block in function.block_specializations.values():
-                    for op in walk_ops(block):
-                        for _, value in op_values(op):
-                            if value.WhichOneof("value") != "blobFileValue":
-                                continue
-                            if value.blobFileValue.fileName != WEIGHTS_FILE:
-                                raise BadInput(f"{package}: a weight lives in {value.blobFileValue.fileName}, not {WEIGHTS_FILE}")
-                            value.blobFileValue.offset = blob.copy(source, value.blobFileValue.offset, str(weights))
+                for value in blob_values(function):
+                    if value.fileName != WEIGHTS_FILE:
+                        raise BadInput(f"{package}: a weight lives in {value.fileName}, not {WEIGHTS_FILE}")
+                    if value.offset not in placed:
+                        placed[value.offset] = blob.copy(source, value.offset, str(weights))
+            declared = Model_pb2.FunctionDescription(
+                name=name,
+                input=spec.description.input,
+                output=spec.description.output,
+                state=spec.description.state,
+                predictedFeatureName=spec.description.predictedFeatureName,
+                predictedProbabilitiesName=spec.description.predictedProbabilitiesName,
+            )
+            digests[name] = function_digest(function, declared, {offset: key for offset, (_, key) in placed.items()})
+            for value in blob_values(function):
+                value.offset = placed[value.offset][0]
             merged.specificationVersion = max(merged.specificationVersion, spec.specificationVersion)
             if not merged.mlProgram.version:
                 merged.mlProgram.version = spec.mlProgram.version
             merged.mlProgram.functions[name].CopyFrom(function)
-            merged.description.functions.append(
-                Model_pb2.FunctionDescription(
-                    name=name,
-                    input=spec.description.input,
-                    output=spec.description.output,
-                    state=spec.description.state,
-                    predictedFeatureName=spec.description.predictedFeatureName,
-                    predictedProbabilitiesName=spec.description.predictedProbabilitiesName,
-                )
-            )
+            merged.description.functions.append(declared)
             del spec, function
     finally:
         blob.close()
@@ -170,7 +146,7 @@ def merge_functions(
     # deterministic: protobuf map order is otherwise arbitrary, and builds must be reproducible
     (model_folder / SPEC_NAME).write_bytes(merged.SerializeToString(deterministic=True))
     write_package_manifest(destination)
-    return destination
+    return digests
 
 
 def _only_function(spec, package: Path):

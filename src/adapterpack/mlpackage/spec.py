@@ -81,10 +81,13 @@ def walk_ops(block) -> Iterator[Any]:
 
 
 def op_values(op) -> Iterator[tuple[str, Any]]:
-    """(parameter, Value) of every value an op holds: attributes, and inputs bound to values."""
-    for name, value in op.attributes.items():
-        yield name, value
-    for name, argument in op.inputs.items():
-        for binding in argument.arguments:
+    """(parameter, Value) of every value an op holds: attributes, and inputs bound to values.
+
+    In name order: protobuf's map iteration order differs from process to process, and what
+    is written in this order (the merged blob's records) must not."""
+    for name in sorted(op.attributes):
+        yield name, op.attributes[name]
+    for name in sorted(op.inputs):
+        for binding in op.inputs[name].arguments:
             if binding.WhichOneof("binding") == "value":
                 yield name, binding.value

@@ -13,6 +13,7 @@ from pathlib import Path
 from adapterpack.config.manifest import Manifest
 from adapterpack.errors import BadInput
 from adapterpack.inputs.checked import check_inputs
+from adapterpack.mlpackage.digest import function_digests
 from adapterpack.mlpackage.functions import read_functions
 from adapterpack.mlpackage.metadata import weights_digest
 from adapterpack.verify.executor import DeclaredTypeMismatch
@@ -31,14 +32,16 @@ def verify_package(
     backend: Backend = "numpy",
     checked=None,
     reuse: dict[str, FunctionReport] | None = None,
+    digests: dict[str, str] | None = None,
     stage: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> VerifyReport:
     """Run every function of ``package`` against its PyTorch reference; never raises on a mismatch.
 
     ``checked`` (inputs.checked.CheckedInputs) avoids re-validating inputs when called from a build.
-    ``reuse`` holds passing reports of functions whose parts (inputs, settings, versions) are
-    unchanged since a build verified them; those are not run again. The integrity checks
-    always run. ``stage(label)``: a context manager around each long step (progress display).
+    ``reuse`` holds passing reports of functions whose bytes (``digests``: each function's
+    ``mlpackage.digest``, computed here when not given) equal bytes a build verified against
+    the same reference; those are not run again. The integrity checks always run.
+    ``stage(label)``: a context manager around each long step (progress display).
     """
     stage = stage or (lambda label: contextlib.nullcontext())
 
@@ -59,7 +62,8 @@ def verify_package(
     if recorded and recorded != weights_digest(package):
         report.integrity.append("weight blob differs from the one written at build time (file altered?)")
 
-    reuse = reuse or {}
+    digests = digests or function_digests(package)
+    reuse = {name: found for name, found in (reuse or {}).items() if found.digest == digests.get(name)}
     if all(name in reuse for name in expected):
         report.functions = [reuse[name] for name in expected]
         return report
@@ -109,6 +113,7 @@ def verify_package(
             adapter_effect=None,
             thresholds=thresholds,
             drive=worst,
+            digest=digests.get(name, ""),
             **metrics,
         )
         # Thresholds hold for every drive, not only the reported one.

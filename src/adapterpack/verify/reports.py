@@ -26,10 +26,17 @@ class FunctionReport:
     notes: list[str] = field(default_factory=list)
     drive: str = ""  # the calling convention whose figures are reported (the worse one)
     by_drive: dict[str, dict[str, float]] = field(default_factory=dict)  # every drive's metrics
+    digest: str = ""  # of the bytes verified (mlpackage.digest.function_digest)
+    reused: bool = False  # these bytes equal bytes a build verified before: not run again
 
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    def provenance(self) -> str:
+        """Whether these figures were measured now or belong to equal bytes verified before."""
+        digest = self.digest[:12] or "?"
+        return f"bytes {digest} equal bytes verified before" if self.reused else f"verified now, bytes {digest}"
 
 
 @dataclass
@@ -63,15 +70,12 @@ class VerifyReport:
 
 
 # Bump when what verification computes changes, so verdicts cached by an older version are not reused.
-VERIFY_FORMAT = 2
-
-
-REUSED_NOTE = "unchanged since a build verified it (build cache)"
+VERIFY_FORMAT = 3
 
 
 def function_report_from_json(data: dict) -> FunctionReport:
+    """A stored verdict, marked as reused."""
     known = set(FunctionReport.__dataclass_fields__)
     report = FunctionReport(**{k: v for k, v in data.items() if k in known})
-    if REUSED_NOTE not in report.notes:
-        report.notes.append(REUSED_NOTE)
+    report.reused = True
     return report
