@@ -33,7 +33,7 @@ WITHOUT_HASHING = r"""
 import sys
 import adapterpack.build.cache as cache
 
-cache.file_sha256 = lambda path: ""
+cache.file_digests = lambda path: []
 original = cache.Entry.problem
 cache.Entry.problem = lambda self, sizes_only=False: original(self, sizes_only=True)
 from adapterpack.cli.app import main
@@ -48,7 +48,7 @@ import adapterpack.build.cache as cache
 
 spent = [0.0, 0]
 lock = threading.Lock()
-original = cache.file_sha256
+original = cache.file_digests
 
 def timed(path):
     started = time.perf_counter()
@@ -58,7 +58,7 @@ def timed(path):
         spent[1] += path.stat().st_size
     return digest
 
-cache.file_sha256 = timed
+cache.file_digests = timed
 atexit.register(lambda: print(f"HASHED {spent[1]} {spent[0]:.3f}", file=sys.stderr, flush=True))
 from adapterpack.cli.app import main
 sys.argv = ["adapterpack", *sys.argv[1:]]

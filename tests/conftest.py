@@ -20,3 +20,14 @@ def family_build(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"build-{family}")
     manifest = make_family_project(root, family)
     return family, root, build(manifest, output=root / "out.mlpackage")
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """The shipped demo (manifests/demo.yaml), built and verified once for the session."""
+    from adapterpack.build.pipeline import build
+    from adapterpack.build.records import BuildOptions
+
+    out = tmp_path_factory.mktemp("demo")
+    manifest = Path(__file__).resolve().parents[1] / "manifests" / "demo.yaml"
+    return build(manifest, output=out / "demo.mlpackage", options=BuildOptions(cache_dir=out / "cache"))

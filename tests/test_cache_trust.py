@@ -5,7 +5,6 @@ that do not fit float16 are refused before any conversion."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.build.cache import ENTRY_FILE, BuildCache
+from adapterpack.build.cache import ENTRY_FILE, BuildCache, file_digests
 from adapterpack.build.pipeline import build
 from adapterpack.build.records import BuildOptions
 from adapterpack.errors import BadInput
@@ -142,7 +141,7 @@ def test_reused_verdict_is_refused_when_the_bytes_differ(project, clean, tmp_pat
     weights.write_bytes(bytes(data))
     record = json.loads((entry / ENTRY_FILE).read_text())
     record["files"] = BuildCache(copy)._read(entry, "parts").files | {
-        "part.mlpackage/Data/com.apple.CoreML/weights/weight.bin": [len(data), hashlib.sha256(data).hexdigest()]
+        "part.mlpackage/Data/com.apple.CoreML/weights/weight.bin": [len(data), file_digests(weights)]
     }
     (entry / ENTRY_FILE).write_text(json.dumps(record))
 
@@ -325,3 +324,20 @@ def test_magnitudes_are_read_from_the_bits(tmp_path):
     for name in ("f32", "bf16", "f16", "f64"):
         assert found[name] == float(tensors[name].abs().max()), name
     assert np.isnan(found["nan"]) and found["inf"] == float("inf") and "ints" not in found
+
+
+def test_large_files_are_hashed_in_pieces(tmp_path, monkeypatch):
+    """A file larger than a piece is hashed piece by piece (both cores); a change names its piece."""
+    import adapterpack.build.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "HASH_PIECE", 1000)
+    data = bytes(range(256)) * 20  # 5120 bytes: 6 pieces
+    cache = BuildCache(tmp_path)
+    entry = cache.write("checks", "k", {"check.json": data}, {})
+    record = json.loads((entry / ENTRY_FILE).read_text())
+    assert len(record["files"]["check.json"][1]) == 6
+    changed = bytearray(data)
+    changed[3500] ^= 1
+    (entry / "check.json").write_bytes(bytes(changed))
+    problem = cache._read(entry, "checks").problem()
+    assert "bytes 3,000-4,000 differs" in problem, problem

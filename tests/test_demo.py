@@ -17,12 +17,6 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "manifests" / "demo.yaml"
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    return build(DEMO, output=out / "demo.mlpackage", options=BuildOptions(cache_dir=out / "cache"))
-
-
 def test_demo_builds_verifies_and_deduplicates(demo):
     assert [f.name for f in demo.functions] == ["code", "docs", "zen", "base"]
     assert demo.default_function == "code"

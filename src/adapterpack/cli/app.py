@@ -25,10 +25,12 @@ from adapterpack.cli.render import (
     ConsoleReporter,
     cache_listing,
     cache_table,
+    eval_table,
     human_size,
     out,
     parse_size,
     print_build,
+    print_generation,
     print_inspection,
     verify_table,
 )
@@ -207,6 +209,84 @@ def verify(
             raise VerificationFailed(report.verdict())
         if not as_json:
             out.print(report.verdict(), highlight=False)
+
+
+@app.command()
+def generate(
+    package: Annotated[Path, typer.Argument(help="The .mlpackage (in a release bundle, its tokenizer is found beside it)", show_default=False)],
+    function: Annotated[str, typer.Option("--function", "-f", help="The function (adapter) to run")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The text to continue")],
+    manifest: Annotated[
+        Path | None, typer.Option("--manifest", "-m", help="The manifest the package was built from: its base's tokenizer, and the reference for --compare")
+    ] = None,
+    backend: BackendOption = "numpy",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Stop after this many tokens (or at EOS, or at max_context)", min=1)] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; more: sample", min=0)] = 0.0,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Sample among the k most likely tokens", min=1)] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Sample among the most likely tokens holding this probability")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sampling")] = 0,
+    compare: Annotated[bool, typer.Option("--compare", help="Also generate with the PyTorch reference (peft, unmerged, float32) and show where the two part")] = False,
+) -> None:
+    """Continue a prompt with one function, driven exactly as the Swift client drives it (prefill, then one token per call through its state).
+
+    Example: adapterpack generate build/demo.mlpackage --function zen --prompt "Beautiful is" --manifest manifests/demo.yaml
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        from adapterpack.evaluate.generate import Sampling
+        from adapterpack.evaluate.generate import generate as run_generate
+
+        _check_backend(backend)
+        checked = check_inputs(manifest) if manifest is not None else None
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+
+        def show(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        result = run_generate(
+            package, function, prompt, checked=checked, backend=backend, sampling=sampling,
+            max_new_tokens=max_new_tokens, compare=compare, on_text=show,
+        )
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print_generation(result)
+
+
+@app.command("eval")
+def eval_command(
+    package: Annotated[Path, typer.Argument(help="The .mlpackage", show_default=False)],
+    text: Annotated[Path, typer.Option("--text", "-t", help="A UTF-8 text file to measure perplexity on, e.g. adapters/demo/heldout.txt")],
+    manifest: Annotated[
+        Path | None, typer.Option("--manifest", "-m", help="The manifest the package was built from: the reference (and the base's tokenizer)")
+    ] = None,
+    function: Annotated[list[str] | None, typer.Option("--function", "-f", help="Only this function (repeat for several)")] = None,
+    window: Annotated[
+        int | None, typer.Option("--window", help="Tokens per sliding window (default max_context - 1; e.g. the model's training length)")
+    ] = None,
+    backend: BackendOption = "numpy",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Perplexity of each function and of its PyTorch reference on your text, their ratio and top-1 agreement.
+
+    Example: adapterpack eval build/demo.mlpackage --text adapters/demo/heldout.txt --manifest manifests/demo.yaml
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        from adapterpack.evaluate.perplexity import evaluate
+
+        _check_backend(backend)
+        checked = check_inputs(manifest) if manifest is not None else None
+        reporter = ConsoleReporter(quiet or as_json)
+        with reporter.progress("eval: windows run (package, then reference)", "windows") as update:
+            report = evaluate(package, text, checked, functions=function, window=window, backend=backend, progress=update)
+        if as_json:
+            print(json.dumps(report.as_json(), indent=2))
+        else:
+            out.print(eval_table(report))
 
 
 @app.command()

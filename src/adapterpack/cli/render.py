@@ -139,6 +139,57 @@ def cache_table(listing: dict) -> Table:
     return table
 
 
+def print_generation(result) -> None:
+    """After the streamed text: speed on stderr, and with --compare both continuations side by side."""
+    stop = "EOS" if result.stopped_at_eos else f"{len(result.tokens)} tokens"
+    sys.stdout.flush()  # the streamed text first, then the figures
+    err.print(
+        f"{result.function}: {len(result.tokens)} tokens after a {result.prompt_tokens}-token prompt "
+        f"(prefill {result.prefill_seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s, {result.backend} backend; stopped at {stop})",
+        highlight=False,
+    )
+    if result.reference_tokens is None:
+        return
+    table = Table(title=f"{result.function}: package vs PyTorch reference (peft, unmerged, float32)", title_justify="left")
+    table.add_column(f"package ({result.backend})")
+    table.add_column("reference")
+    table.add_row(result.text, result.reference_text)
+    out.print(table)
+    if result.parted_at is None:
+        out.print(f"identical: the same {len(result.tokens)} tokens", highlight=False)
+    else:
+        index = result.parted_at
+        ours = result.tokens[index] if index < len(result.tokens) else None
+        theirs = result.reference_tokens[index] if index < len(result.reference_tokens) else None
+        why = ""
+        if result.parting_gap is not None:
+            kind = "a tie at float16 precision" if result.parting_is_tie else "not a tie"
+            why = f"; the reference puts the package's token {result.parting_gap:.3g} below its own ({kind})"
+        out.print(
+            f"they part at generated token {index + 1}: package {ours} vs reference {theirs} "
+            f"(the first {index} agree{why})",
+            highlight=False,
+        )
+
+
+def eval_table(report) -> Table:
+    """Perplexity per function, package against reference."""
+    table = Table(
+        title=f"eval {report.package.name} on {report.text.name}: {report.tokens} tokens, windows of {report.window} "
+        f"every {report.stride} ({report.backend} backend)",
+        title_justify="left",
+    )
+    for column in ("function", "perplexity", "reference", "ratio", "top-1 agreement"):
+        table.add_column(column, justify="left" if column == "function" else "right")
+    for f in report.functions:
+        missing = f.reference_perplexity is None
+        table.add_row(
+            f.function, f"{f.perplexity:.3f}", "-" if missing else f"{f.reference_perplexity:.3f}",
+            "-" if missing else f"{f.ratio:.3f}", "-" if missing else f"{f.top1_agreement:.1%}",
+        )
+    return table
+
+
 def verify_table(report) -> Table:
     """The per-function checklist of a verification."""
 

@@ -25,7 +25,13 @@ def verification_tokens(vocab_size: int, settings: VerifySettings) -> np.ndarray
 DRIVES = ("swift", "python")
 
 
-def _drive_masks(drive: str, past: int, q: int) -> np.ndarray:
+def swift_mask(past: int, q: int) -> np.ndarray:
+    """What swift-transformers sends with ``q`` new tokens after ``past``: zeros, one wider than
+    every token of the sequence so far (see ``drive_mask``)."""
+    return drive_mask("swift", past, q)
+
+
+def drive_mask(drive: str, past: int, q: int) -> np.ndarray:
     """The ``causalMask`` a client of style ``drive`` sends for ``q`` new tokens after ``past``.
 
     ``swift``: swift-transformers' ``LanguageModelWithStatefulKVCache`` sends zeros of shape
@@ -50,10 +56,10 @@ def run_drive(predict, tokens: np.ndarray, prefill: int, drive: str) -> np.ndarr
     """
     outputs = []
     first = tokens[:prefill].astype(np.int32)[None, :]
-    outputs.append(predict(first, _drive_masks(drive, 0, prefill)))
+    outputs.append(predict(first, drive_mask(drive, 0, prefill)))
     for end in range(prefill + 1, len(tokens) + 1):
         step = tokens[end - 1 : end].astype(np.int32)[None, :]
-        outputs.append(predict(step, _drive_masks(drive, end - 1, 1)))
+        outputs.append(predict(step, drive_mask(drive, end - 1, 1)))
     return np.concatenate([o.reshape(1, -1, o.shape[-1]) for o in outputs], axis=1)[0].astype(np.float32)
 
 

@@ -21,6 +21,13 @@ TOP1_TIE_TOLERANCE = 1e-3
 TOP1_TIE_FLOAT16_STEPS = 2
 
 
+def top1_resolution(top: np.ndarray | float) -> np.ndarray | float:
+    """How close two logits may be and still be a tie, when the largest is ``top`` in magnitude."""
+    top = np.asarray(top, np.float64)
+    steps = np.spacing(np.minimum(top, 65504).astype(np.float16)).astype(np.float64)
+    return np.maximum(TOP1_TIE_TOLERANCE * top, TOP1_TIE_FLOAT16_STEPS * steps)
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     shifted = x - x.max(axis=-1, keepdims=True)
@@ -42,10 +49,7 @@ def compare_logits(got: np.ndarray, reference: np.ndarray) -> dict[str, float]:
     # float16 resolution of the logits: a near-tie (common in small random models) that float16
     # cannot order is not a disagreement.
     rows = np.arange(len(ref))
-    top = np.abs(ref).max(axis=-1)
-    steps = np.spacing(np.minimum(top, 65504).astype(np.float16)).astype(np.float64)
-    resolution = np.maximum(TOP1_TIE_TOLERANCE * top, TOP1_TIE_FLOAT16_STEPS * steps)
-    agrees = ref[rows, got.argmax(-1)] >= ref.max(axis=-1) - resolution
+    agrees = ref[rows, got.argmax(-1)] >= ref.max(axis=-1) - top1_resolution(np.abs(ref).max(axis=-1))
     return {
         "cosine": cosine,
         "max_abs_error": float(np.abs(got - ref).max()),

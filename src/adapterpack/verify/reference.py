@@ -91,3 +91,25 @@ def reference_logits(checked, names: list[str]) -> tuple[np.ndarray, np.ndarray,
             with computed_in_float32(model):
                 references[name] = model(ids).logits[0].float().numpy()
     return tokens, base_reference, references
+
+
+@contextlib.contextmanager
+def reference_model(checked, name: str) -> Iterator[object]:
+    """The PyTorch reference of function ``name`` (the manifest's adapter, or the base for the
+    base function), as verification computes it: the base at its stored precision computing in
+    float32, the adapter applied by peft and not merged. Freed on exit."""
+    import torch
+
+    from adapterpack.convert.base_model import load_base
+    from adapterpack.convert.lora import applied_adapter
+
+    manifest = checked.manifest
+    base = load_base(checked.base.folder, dtype=stored_dtype(checked.base))
+    adapter = manifest.adapter(name)
+    applied = (
+        applied_adapter(base, checked.adapters[name].folder, mode="unmerged", scale=float(adapter.scale))
+        if adapter is not None
+        else contextlib.nullcontext(base)
+    )
+    with torch.no_grad(), applied as model, computed_in_float32(model):
+        yield model

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
-
-import numpy as np
 
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.functions import read_functions
 from adapterpack.quiet import captured_output, import_coremltools
-from adapterpack.verify.drives import run_drives
+from adapterpack.verify.drives import Predict, run_drives
 from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
 
 log = logging.getLogger(__name__)
@@ -23,43 +22,57 @@ log = logging.getLogger(__name__)
 Backend = Literal["numpy", "coreml"]
 
 
-def numpy_runner(package: Path):
-    """Loads one function at a time and drops it after its drives, so the executor holds one
-    function's weights, not the package's."""
+def function_sessions(package: Path, backend: Backend = "numpy") -> Callable[[str], Callable[[], Predict]]:
+    """``open(function)`` loads one function (dropping the one loaded before, so a runner holds
+    one function's weights, not the package's) and returns ``new_session()``: a predict bound to
+    a fresh state, what ``makeState()`` gives a client."""
+    if backend == "coreml":
+        return _coreml_sessions(package)
+    loaded: dict[str, ProgramExecutor] = {}
 
-    names = ProgramExecutor.function_names_of(package)
+    def open_function(function: str) -> Callable[[], Predict]:
+        if function not in loaded:
+            loaded.clear()
+            try:
+                loaded[function] = ProgramExecutor.load(package, functions=[function])
+            except UnsupportedOp as error:
+                raise BadInput(f"{package}: {error}") from None
+        executor = loaded[function]
 
-    def run(function: str, tokens: np.ndarray, prefill: int) -> dict[str, np.ndarray]:
-        try:
-            executor = ProgramExecutor.load(package, functions=[function])
-        except UnsupportedOp as error:
-            raise BadInput(f"{package}: {error}") from None
-        def session():
+        def new_session() -> Predict:
             state = executor.make_state(function)
-            return lambda ids, mask: executor.predict(
-                {"inputIds": ids, "causalMask": mask}, state=state, function=function
-            )["logits"]
+            return lambda ids, mask: executor.predict({"inputIds": ids, "causalMask": mask}, state=state, function=function)["logits"]
 
-        return run_drives(session, tokens, prefill)
+        return new_session
 
-    return run, names
+    return open_function
 
 
-def coreml_runner(package: Path):
+def _coreml_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
     if sys.platform != "darwin":
         raise BadInput("--backend coreml needs macOS (the Core ML runtime); use the default numpy backend here")
-
     ct = import_coremltools()
 
-    names = read_functions(package).names
-
-    def run(function: str, tokens: np.ndarray, prefill: int) -> dict[str, np.ndarray]:
+    def open_function(function: str) -> Callable[[], Predict]:
         with captured_output():
             model = ct.models.MLModel(str(package), function_name=function, compute_units=ct.ComputeUnit.CPU_AND_NE)
-        def session():
+
+        def new_session() -> Predict:
             state = model.make_state()
             return lambda ids, mask: model.predict({"inputIds": ids, "causalMask": mask}, state=state)["logits"]
 
-        return run_drives(session, tokens, prefill)
+        return new_session
 
-    return run, names
+    return open_function
+
+
+def numpy_runner(package: Path):
+    """``run(function, tokens, prefill)``: every drive's logits, on the numpy executor."""
+    sessions = function_sessions(package, "numpy")
+    return (lambda function, tokens, prefill: run_drives(sessions(function), tokens, prefill)), ProgramExecutor.function_names_of(package)
+
+
+def coreml_runner(package: Path):
+    """``run(function, tokens, prefill)``: every drive's logits, on Core ML (macOS)."""
+    sessions = function_sessions(package, "coreml")
+    return (lambda function, tokens, prefill: run_drives(sessions(function), tokens, prefill)), read_functions(package).names

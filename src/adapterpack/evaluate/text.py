@@ -1,0 +1,117 @@
+"""Text in and out of a package: its tokenizer (from the manifest's base, or from the release
+bundle the package sits in), its context limit, and a user's text file read safely."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapterpack.errors import BadInput
+from adapterpack.mlpackage.functions import read_functions
+
+log = logging.getLogger(__name__)
+
+
+# Files a Hugging Face tokenizer is loaded from (any one of the first two is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass
+class PackageText:
+    """What running a package on text needs: its tokenizer, stop tokens and context limit."""
+
+    package: Path
+    functions: list[str]
+    tokenizer: object  # transformers PreTrainedTokenizerBase
+    eos_ids: frozenset[int]
+    max_context: int
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens a sequence may hold: the Swift client's mask is one wider than the tokens."""
+        return self.max_context - 1
+
+    def check_function(self, function: str) -> None:
+        if function not in self.functions:
+            raise BadInput(f"{self.package}: no function {function!r}: it has {', '.join(self.functions)}")
+
+    def encode(self, text: str, *, where: str = "--prompt") -> list[int]:
+        ids = list(self.tokenizer(text).input_ids)
+        if not ids:
+            raise BadInput(f"{where}: the text encodes to no tokens")
+        return ids
+
+
+def tokenizer_folder(package: Path, checked=None) -> Path:
+    """Where the tokenizer files are: beside the package in a release bundle, else the
+    manifest's base; BadInput when neither has them."""
+    bundle = package.resolve().parent
+    if any((bundle / name).is_file() for name in TOKENIZER_FILES):
+        return bundle
+    if checked is not None:
+        folder = checked.base.folder
+        if any((folder / name).is_file() for name in TOKENIZER_FILES):
+            return folder
+        raise BadInput(f"{folder}: the base has no tokenizer files ({' or '.join(TOKENIZER_FILES)})")
+    raise BadInput(
+        f"{package}: no tokenizer files beside it ({' or '.join(TOKENIZER_FILES)}, as a release bundle has): "
+        "pass --manifest to take the base's"
+    )
+
+
+def package_text(package: str | Path, checked=None) -> PackageText:
+    """The tokenizer and limits of ``package`` (``checked``: the manifest's CheckedInputs, for
+    its base's tokenizer)."""
+    import json
+
+    package = Path(package)
+    if not package.exists():
+        raise BadInput(f"{package}: package not found")
+    listing = read_functions(package)
+    folder = tokenizer_folder(package, checked)
+    from adapterpack.quiet import captured_output
+
+    try:
+        with captured_output():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise BadInput(f"{folder}: the tokenizer files cannot be loaded: {str(error).splitlines()[0][:200]}") from None
+    eos = set()
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        try:
+            found = json.loads(generation.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            found = None
+        eos.update(int(i) for i in (found if isinstance(found, list) else [found]) if isinstance(i, int))
+    try:
+        max_context = int(listing.metadata["co.adapterpack.maxContext"])
+    except (KeyError, ValueError):
+        raise BadInput(f"{package}: not built by adapterpack (no maxContext in its metadata)") from None
+    return PackageText(package, listing.names, tokenizer, frozenset(eos), max_context)
+
+
+# Bytes that do not occur in text: a file holding them is binary.
+_BINARY = set(range(0, 9)) | {11, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 127}
+
+
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file's content; BadInput naming it when it is missing, empty or binary."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise BadInput(f"{path}: cannot read: {error.strerror or error}") from None
+    if not data.strip():
+        raise BadInput(f"{path}: the text file is empty")
+    if any(byte in _BINARY for byte in data[:65536]):
+        raise BadInput(f"{path}: not a text file (it holds control bytes); give UTF-8 text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadInput(f"{path}: not UTF-8 text (byte {error.start})") from None
