@@ -96,18 +96,17 @@ def test_every_family_generates_what_its_reference_generates(family_with_tokeniz
         assert got.text == tokenizer.decode(got.tokens, skip_special_tokens=True) and len(got.text) >= len(got.tokens) - 1
 
 
-def test_generate_bad_input_is_one_line_exit_2(family_with_tokenizer, tmp_path):
-    family, root, result = family_with_tokenizer
-    manifest = root / "m.yaml"
+def test_generate_bad_input_is_one_line_exit_2(demo):
+    package = demo.output  # built into a folder without tokenizer files
     cases = {
-        "no function 'nope'": ["--function", "nope", "--prompt", "x", "--manifest", manifest],
-        "at most 39": ["--function", "base", "--prompt", "x" * 50, "--manifest", manifest],
+        "no function 'nope'": ["--function", "nope", "--prompt", "x", "--manifest", DEMO],
+        "at most 511": ["--function", "base", "--prompt", "x" * 600, "--manifest", DEMO],
         "no tokenizer files beside it": ["--function", "base", "--prompt", "x"],
         "--compare needs --manifest": ["--function", "base", "--prompt", "x", "--compare"],
-        "--top-p 2.0": ["--function", "base", "--prompt", "x", "--manifest", manifest, "--temperature", "1", "--top-p", "2"],
+        "--top-p 2.0": ["--function", "base", "--prompt", "x", "--manifest", DEMO, "--temperature", "1", "--top-p", "2"],
     }
     for expected, args in cases.items():
-        run = run_cli("generate", result.output, *args)
+        run = run_cli("generate", package, *args)
         lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
         assert run.returncode == 2 and len(lines) == 1 and expected in lines[0], (expected, run.stderr)
         assert "Traceback" not in run.stderr

@@ -32,29 +32,75 @@ def run(*args, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
+    from test_generate import write_byte_level_tokenizer
+
     root = tmp_path_factory.mktemp("release")
     make_base(root / "base", "llama")
+    write_byte_level_tokenizer(root / "base")
     make_adapter(root / "chat", root / "base", std=0.1)
     (root / "rel.yaml").write_text(MANIFEST)
+    (root / "eval.txt").write_text("def f(x):\n    return x + 1\n\nclass A:\n    pass\n")
     return root
 
 
 @pytest.fixture(scope="module")
 def first_release(project) -> Path:
-    result = run("release", project / "rel.yaml", "--out-dir", project / "dist1", "--quiet")
+    result = run("release", project / "rel.yaml", "--out-dir", project / "dist1", "--eval-text", project / "eval.txt", "--quiet")
     assert result.returncode == 0, result.stderr
     return project / "dist1"
 
 
 def test_release_is_reproducible_and_sums_check(project, first_release):
     time.sleep(1.5)  # a different wall-clock second must not change any byte
-    second = run("release", project / "rel.yaml", "--out-dir", project / "dist2", "--quiet")
+    second = run("release", project / "rel.yaml", "--out-dir", project / "dist2", "--eval-text", project / "eval.txt", "--quiet")
     assert second.returncode == 0, second.stderr
     for name in ("rel.mlpackage.zip", "build-info.json", "SHA256SUMS"):
         assert (first_release / name).read_bytes() == (project / "dist2" / name).read_bytes(), name
+    assert tree_digest(first_release / "rel") == tree_digest(project / "dist2" / "rel")
     check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=first_release, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "rel.mlpackage.zip: OK" in check.stdout
+    assert "rel.mlpackage.zip: OK" in check.stdout and "rel/README.md: OK" in check.stdout
+    assert "rel/rel.mlpackage/Data/com.apple.CoreML/weights/weight.bin: OK" in check.stdout
+
+
+def test_bundle_holds_what_the_app_needs(project, first_release):
+    bundle = first_release / "rel"
+    names = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file())
+    for expected in ("README.md", "AdapterFunction.swift", "tokenizer.json", "tokenizer_config.json", "config.json",
+                     "generation_config.json", "rel.mlpackage/Manifest.json"):
+        assert expected in names, names
+    for name in ("tokenizer.json", "config.json"):
+        assert (bundle / name).read_bytes() == (project / "base" / name).read_bytes()
+    swift = (bundle / "AdapterFunction.swift").read_text()
+    assert 'case chat = "chat"' in swift and 'case base = "base"' in swift
+    card = (bundle / "README.md").read_text()
+    info = json.loads((first_release / "build-info.json").read_text())
+    assert card.startswith("---\nlibrary_name: coreml\n")
+    assert info["adapters"]["chat"]["sha256"][:16] in card  # the adapter's hash
+    assert "## Verification" in card and "## Evaluation" in card and "## Memory on device" in card
+    assert "AutoTokenizer.from(modelFolder: folder)" in card and "AdapterFunction.chat.rawValue" in card
+    chat = next(f for f in info["eval"]["functions"] if f["function"] == "chat")
+    assert f"{chat['perplexity']:.3f}" in card
+    # build-info lists every bundle file with the digest SHA256SUMS checks
+    sums = dict(reversed(line.split("  ", 1)) for line in (first_release / "SHA256SUMS").read_text().splitlines())
+    assert info["bundle"] and all(sums[path] == digest for path, digest in info["bundle"].items())
+
+
+def test_generate_runs_from_the_bundle_alone(first_release):
+    """In a bundle the package finds its tokenizer beside it: no manifest needed."""
+    result = run("generate", first_release / "rel" / "rel.mlpackage", "--function", "chat", "--prompt", "def f(x):",
+                 "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def f(x):") and "chat: 4 tokens" in result.stderr
+
+
+def test_release_without_tokenizer_files_is_bad_input(tmp_path):
+    make_base(tmp_path / "base", "llama")
+    (tmp_path / "m.yaml").write_text(MANIFEST.replace("adapters:\n  - {name: chat, path: chat}\n", "adapters: []\n"))
+    result = run("release", tmp_path / "m.yaml", "--out-dir", tmp_path / "dist")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "no tokenizer files" in errors[0], result.stderr
+    assert not (tmp_path / "dist").exists() or not any((tmp_path / "dist").iterdir())
 
 
 def test_build_info_records_provenance(project, first_release):
@@ -129,7 +175,7 @@ def test_interrupted_build_leaves_previous_output_intact(project, tmp_path, how)
 def test_short_disk_space_is_exit_4(project, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import adapterpack.build.release as release_module
+    import adapterpack.release.artifacts as release_module
     from adapterpack.cli.app import app
 
     monkeypatch.setattr(release_module.shutil, "disk_usage", lambda path: type("u", (), {"free": 1024})())

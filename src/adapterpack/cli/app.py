@@ -19,7 +19,6 @@ from rich.table import Table
 from adapterpack.build.pipeline import build as run_build
 from adapterpack.build.pipeline import build_function_part, merge_from_parts
 from adapterpack.build.records import BuildOptions
-from adapterpack.build.release import release as run_release
 from adapterpack.cli.boundary import configure_logging, error_boundary
 from adapterpack.cli.render import (
     ConsoleReporter,
@@ -39,6 +38,7 @@ from adapterpack.config.manifest import load_manifest, manifest_json_schema
 from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
 from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from adapterpack.mlpackage.functions import read_functions
+from adapterpack.release.artifacts import release as run_release
 from adapterpack.report.inspect import inspect_package
 from adapterpack.report.memory import budget_rows, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
@@ -298,9 +298,12 @@ def release(
     backend: BackendOption = "numpy",
     strict: StrictOption = False,
     cache_dir: CacheDirOption = None,
+    no_bundle: Annotated[bool, typer.Option("--no-bundle", help="Skip the app-ready folder (package, tokenizer files, Swift enum, model card)")] = False,
+    eval_text: Annotated[Path | None, typer.Option("--eval-text", help="Measure perplexity on this text for the model card (see `eval`)")] = None,
+    eval_window: Annotated[int | None, typer.Option("--eval-window", help="Tokens per eval window (see `eval --window`)")] = None,
     quiet: QuietOption = False,
 ) -> None:
-    """Build, verify and write reproducible release artifacts: NAME.mlpackage.zip, build-info.json, SHA256SUMS.
+    """Build, verify and write reproducible release artifacts: NAME.mlpackage.zip, build-info.json, SHA256SUMS, and the app-ready folder NAME/.
 
     Example: adapterpack release manifests/demo.yaml --out-dir dist && (cd dist && sha256sum -c SHA256SUMS)
     """
@@ -309,11 +312,18 @@ def release(
 
         _check_backend(backend)
         options = BuildOptions(force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir)
-        result = run_release(manifest, out_dir, options=options, reporter=ConsoleReporter(quiet))
+        result = run_release(
+            manifest, out_dir, options=options, reporter=ConsoleReporter(quiet),
+            bundle=not no_bundle, eval_text=eval_text, eval_window=eval_window,
+        )
         if result.build.verify_report is not None:
             out.print(verify_table(result.build.verify_report))
+        if result.eval_report is not None:
+            out.print(eval_table(result.eval_report))
         for path in (result.zip_path, result.build_info, result.sums):
             out.print(f"{path}  {human_size(path.stat().st_size)}", highlight=False)
+        if result.bundle is not None:
+            out.print(f"{result.bundle}/  app-ready: package, tokenizer files, {result.bundle.name}/README.md", highlight=False)
 
 
 @app.command()

@@ -31,7 +31,8 @@ def expectation_diff(actual: list[str], expected: list[str]) -> str | None:
     return "; ".join(parts)
 
 
-def _case_name(name: str) -> str:
+def swift_case_name(name: str) -> str:
+    """The Swift enum case of a function name (backquoted when it is a keyword)."""
     return f"`{name}`" if name in SWIFT_KEYWORDS else name
 
 
@@ -43,10 +44,10 @@ def swift_enum(package: PackageFunctions, type_name: str = "AdapterFunction") ->
         f"enum {type_name}: String, CaseIterable {{",
     ]
     for name in package.names:
-        lines.append(f'    case {_case_name(name)} = "{name}"')
+        lines.append(f'    case {swift_case_name(name)} = "{name}"')
     lines += [
         "",
-        f"    static let defaultFunction: {type_name} = .{_case_name(package.default)}",
+        f"    static let defaultFunction: {type_name} = .{swift_case_name(package.default)}",
         "}",
     ]
     return "\n".join(lines)

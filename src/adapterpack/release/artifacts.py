@@ -41,6 +41,8 @@ class ReleaseResult:
     build_info: Path
     sums: Path
     build: BuildResult
+    bundle: Path | None = None  # the app-ready folder (release.bundle)
+    eval_report: object | None = None  # evaluate.perplexity.EvalReport, with eval_text
 
 
 def deterministic_zip(folder: Path, destination: Path) -> None:
@@ -93,14 +95,28 @@ def release(
     *,
     options: BuildOptions = BuildOptions(),
     reporter: Reporter | None = None,
+    bundle: bool = True,
+    eval_text: Path | None = None,
+    eval_window: int | None = None,
 ) -> ReleaseResult:
-    """Build, verify and write ``<name>.mlpackage.zip``, ``build-info.json`` and ``SHA256SUMS``."""
+    """Build, verify and write ``<name>.mlpackage.zip``, ``build-info.json``, ``SHA256SUMS`` and
+    (``bundle``) the app-ready folder ``<name>/`` (``release.bundle``), whose model card has an
+    evaluation table when ``eval_text`` is given (``evaluate.perplexity``)."""
+    from adapterpack.release.bundle import check_tokenizer_files, write_bundle
+
     reporter = reporter or Reporter()
     out_dir = Path(out_dir).resolve()
     checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
     name = checked.manifest.name
+    if bundle:
+        check_tokenizer_files(checked)
+    if eval_text is not None:
+        from adapterpack.evaluate.text import read_text_file
+
+        read_text_file(eval_text)  # a bad text file is bad input before anything is built
     targets = [out_dir / f"{name}.mlpackage.zip", out_dir / BUILD_INFO, out_dir / SUMS]
-    existing = [t for t in targets if t.exists()]
+    bundle_target = out_dir / name
+    existing = [t for t in [*targets, bundle_target] if t.exists()]
     if existing and not options.force:
         raise OutputExists(f"{existing[0]} exists: pass --force to replace the release in {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,17 +130,34 @@ def release(
         zip_path = staging.folder / targets[0].name
         with reporter.stage("zip package"):
             deterministic_zip(package, zip_path)
+        evaluated = None
+        if eval_text is not None:
+            from adapterpack.evaluate.perplexity import evaluate
+
+            with reporter.progress(f"eval on {Path(eval_text).name}", "windows") as update:
+                evaluated = evaluate(package, Path(eval_text), checked, window=eval_window, backend=options.backend, progress=update)
+        bundle_files: dict[str, str] = {}
+        if bundle:
+            with reporter.stage(f"bundle {name}/: package, tokenizer files, Swift enum, model card"):
+                bundle_files = write_bundle(staging.folder / name, checked, result, package, eval_report=evaluated)
         info = build_info(checked, result, zip_path)
+        info["bundle"] = bundle_files or None
+        info["eval"] = evaluated.as_json() | {"package": f"{name}.mlpackage", "text": Path(eval_text).name} if evaluated else None
         info_path = staging.folder / BUILD_INFO
         info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         sums_path = staging.folder / SUMS
-        sums_path.write_text(
-            "".join(f"{sha256_files([p])}  {p.name}\n" for p in sorted((zip_path, info_path), key=lambda p: p.name))
-        )
+        sums = {p.name: sha256_files([p]) for p in (zip_path, info_path)} | bundle_files
+        sums_path.write_text("".join(f"{digest}  {path}\n" for path, digest in sorted(sums.items())))
+        if bundle:
+            shutil.rmtree(bundle_target, ignore_errors=True)  # --force: the new one is complete
+            os.replace(staging.folder / name, bundle_target)
         # The sums file goes last: a release folder with a SHA256SUMS is complete.
         for built, target in zip((zip_path, info_path, sums_path), targets):
             os.replace(built, target)
-    return ReleaseResult(zip_path=targets[0], build_info=targets[1], sums=targets[2], build=result)
+    return ReleaseResult(
+        zip_path=targets[0], build_info=targets[1], sums=targets[2], build=result,
+        bundle=bundle_target if bundle else None, eval_report=evaluated,
+    )
 
 
 def build_info(checked, result: BuildResult, zip_path: Path) -> dict:

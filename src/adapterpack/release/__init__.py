@@ -1,0 +1,5 @@
+"""Releases: the verified package as a reproducible zip with its provenance and sums, and an
+app-ready bundle (the package, the tokenizer files, a Swift enum of the functions and a model
+card), laid out like a Hugging Face model repository."""
+
+__all__ = ["artifacts", "bundle"]

@@ -1,0 +1,230 @@
+"""The app-ready bundle: everything an app needs to run the package, in one folder laid out like
+a Hugging Face model repository (it can be uploaded as it is).
+
+    NAME/
+      README.md            model card: functions, adapters and their hashes, compression,
+                           verification, evaluation, memory per device, how to load a function
+      NAME.mlpackage/      the package
+      AdapterFunction.swift   the functions as a Swift enum, for MLModelConfiguration.functionName
+      tokenizer.json, tokenizer_config.json (chat template), special_tokens_map.json,
+      generation_config.json, config.json   as the base carries them
+
+swift-transformers looks a tokenizer up on the Hub by the package's
+``co.huggingface.exporters.name``, which fails offline and for private bases; with the files in
+the bundle the app loads it with ``AutoTokenizer.from(modelFolder:)``. Nothing in the bundle
+depends on when or where it was made, so it is byte-reproducible like the zip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from adapterpack.build.parts import place
+from adapterpack.errors import BadInput
+from adapterpack.mlpackage.functions import read_functions
+from adapterpack.report.swift import swift_case_name, swift_enum
+
+log = logging.getLogger(__name__)
+
+
+# What the app needs from the base's folder, as Hugging Face names them (those present are copied).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json", "config.json",
+)
+# At least one of these, or the app has no tokenizer to load.
+REQUIRED_ANY = ("tokenizer.json", "tokenizer.model", "vocab.json")
+SWIFT_TYPE = "AdapterFunction"
+
+
+def check_tokenizer_files(checked) -> None:
+    """BadInput (before anything is built) when the base has no tokenizer to bundle."""
+    folder = checked.base.folder
+    if not any((folder / name).is_file() for name in REQUIRED_ANY):
+        raise BadInput(
+            f"{folder}: no tokenizer files ({', '.join(REQUIRED_ANY)}) for the release bundle: an app cannot "
+            "tokenize without them; add the base's tokenizer, or pass --no-bundle"
+        )
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=None) -> dict[str, str]:
+    """Write the bundle into ``folder`` (new); returns {path relative to ``folder``'s parent: sha256}
+    of every file in it."""
+    folder.mkdir(parents=True)
+    place(package, folder / package.name)
+    copied = []
+    for name in TOKENIZER_FILES:
+        source = checked.base.folder / name
+        if source.is_file():
+            (folder / name).write_bytes(source.read_bytes())
+            copied.append(name)
+    listing = read_functions(folder / package.name)
+    (folder / f"{SWIFT_TYPE}.swift").write_text(swift_enum(listing, SWIFT_TYPE) + "\n")
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    hashes = {p.relative_to(folder.parent).as_posix(): file_sha256(p) for p in files}
+    card = model_card(checked, result, package.name, copied, hashes, folder.name, eval_report)
+    (folder / "README.md").write_text(card)
+    hashes[f"{folder.name}/README.md"] = file_sha256(folder / "README.md")
+    log.debug("bundle %s: %d files", folder, len(hashes))
+    return dict(sorted(hashes.items()))
+
+
+def _size(value: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"
+
+
+def model_card(checked, result, package_name: str, tokenizer_files: list[str], hashes: dict[str, str],
+               bundle_name: str, eval_report=None) -> str:
+    """The bundle's README.md: a Hugging Face model card (YAML front matter, then Markdown)."""
+    from adapterpack.config.devices import DEVICES
+    from adapterpack.mlpackage.metadata import library_versions
+    from adapterpack.report.inspect import inspect_package
+    from adapterpack.report.memory import budget_rows, memory_estimate
+
+    manifest = checked.manifest
+    hub_name = manifest.base.tokenizer or checked.base.config.get("_name_or_path") or manifest.base.path
+    lines = [
+        "---",
+        "library_name: coreml",
+        f"base_model: {hub_name}",
+        "pipeline_tag: text-generation",
+        "tags: [coreml, lora, adapterpack, ios, macos]",
+        "---",
+        "",
+        f"# {manifest.name}",
+        "",
+        f"One Core ML ML Program, `{package_name}` ({manifest.export.deployment_target}+), with one function per LoRA "
+        f"adapter over the base `{hub_name}` and a stateful KV-cache of {manifest.export.max_context} positions. "
+        "An app picks the function when it loads the model (`MLModelConfiguration.functionName`); weights the "
+        "functions share are stored once. Built and verified by adapterpack.",
+        "",
+        "## Functions",
+        "",
+        "| function | adapter | adapter sha256 | lora | scale | compression |",
+        "|---|---|---|---|---|---|",
+    ]
+    for record in result.functions:
+        default = " (default)" if record.name == result.default_function else ""
+        adapter = checked.adapters.get(record.name)
+        lines.append(
+            f"| `{record.name}`{default} | {record.adapter or '(the base)'} | "
+            f"{'`' + adapter.content_hash[:16] + '…`' if adapter else '-'} | {record.lora or '-'} | "
+            f"{record.scale if record.scale is not None else '-'} | {record.compression} |"
+        )
+    report = result.verify_report
+    if report is not None:
+        lines += [
+            "",
+            "## Verification",
+            "",
+            f"Every function against its PyTorch reference (the float32 base with the adapter applied by peft, not merged), "
+            f"driven as swift-transformers drives it ({report.backend} backend):",
+            "",
+            "| function | worse drive | cosine | top-1 | KL | retention | result |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for f in report.functions:
+            kept = "-" if f.retention is None else f"{f.retention:.3f}"
+            lines.append(
+                f"| `{f.name}` | {f.drive or '-'} | {f.cosine:.5f} | {f.top1:.1%} | {f.kl:.2e} | {kept} | "
+                f"{'pass' if f.passed else 'FAIL'} |"
+            )
+    if eval_report is not None:
+        lines += [
+            "",
+            "## Evaluation",
+            "",
+            f"Perplexity on `{eval_report.text.name}` ({eval_report.tokens} tokens, windows of {eval_report.window} "
+            f"every {eval_report.stride}), package against its reference:",
+            "",
+            "| function | perplexity | reference | ratio | top-1 agreement |",
+            "|---|---|---|---|---|",
+        ]
+        for f in eval_report.functions:
+            if f.reference_perplexity is None:
+                lines.append(f"| `{f.function}` | {f.perplexity:.3f} | - | - | - |")
+            else:
+                lines.append(
+                    f"| `{f.function}` | {f.perplexity:.3f} | {f.reference_perplexity:.3f} | {f.ratio:.3f} | {f.top1_agreement:.1%} |"
+                )
+    inspection = inspect_package(Path(result.output))
+    estimate = memory_estimate(inspection)
+    rows = budget_rows(inspection, estimate, list(DEVICES)) if estimate is not None else []
+    if rows:
+        lines += [
+            "",
+            "## Memory on device",
+            "",
+            f"The largest function needs about {_size(estimate.weights_bytes + estimate.kv_bytes + estimate.activation_bytes)} "
+            f"(weights {_size(estimate.weights_bytes)}, KV-cache {_size(estimate.kv_bytes)}, activations "
+            f"{_size(estimate.activation_bytes)}). Limits are per-app memory limits, most estimated from public "
+            "developer reports (see `adapterpack inspect`).",
+            "",
+            "| device | RAM | app limit | fits | headroom |",
+            "|---|---|---|---|---|",
+        ]
+        for row in rows:
+            headroom = row["headroom_bytes"]
+            lines.append(
+                f"| {row['name']} | {_size(row['ram_bytes'])} | {_size(row['limit_bytes'])} | "
+                f"{'yes' if row['fits'] else 'no'} | {'-' if headroom < 0 else _size(headroom)} |"
+            )
+    first = result.functions[0].name
+    lines += [
+        "",
+        "## Use from Swift",
+        "",
+        f"Add the folder to the app (Xcode compiles `{package_name}` to `.mlmodelc`) and "
+        "[swift-transformers](https://github.com/huggingface/swift-transformers) for the tokenizer, which loads from "
+        f"the bundled files{' (' + ', '.join(tokenizer_files) + ')' if tokenizer_files else ''}:",
+        "",
+        "```swift",
+        "import CoreML",
+        "import Tokenizers",
+        "",
+        f"let folder = Bundle.main.url(forResource: \"{bundle_name}\", withExtension: nil)!",
+        "let config = MLModelConfiguration()",
+        f"config.functionName = {SWIFT_TYPE}.{swift_case_name(first)}.rawValue   // {SWIFT_TYPE}.swift",
+        f"let modelURL = Bundle.main.url(forResource: \"{Path(package_name).stem}\", withExtension: \"mlmodelc\")!",
+        "let model = try await MLModel.load(contentsOf: modelURL, configuration: config)",
+        "let tokenizer = try await AutoTokenizer.from(modelFolder: folder)",
+        "let state = model.makeState()",
+        "```",
+        "",
+        f"Each call takes `inputIds` (Int32, 1 x n) and `causalMask` (Float16, 1 x 1 x n x end) and updates the "
+        f"function's states (its KV-cache); swift-transformers' `LanguageModelWithStatefulKVCache` makes these calls. "
+        f"Prefill with the prompt, then one token per call, at most {manifest.export.max_context - 1} tokens in all.",
+        "",
+        "## Files",
+        "",
+        "| file | sha256 |",
+        "|---|---|",
+    ]
+    for path, digest in hashes.items():
+        lines.append(f"| `{path.split('/', 1)[1]}` | `{digest}` |")
+    versions = library_versions()
+    lines += [
+        "",
+        "## Provenance",
+        "",
+        f"- base: `{manifest.base.path}`{' @ ' + manifest.base.revision if manifest.base.revision else ''}, "
+        f"content sha256 `{checked.base.content_hash}`",
+        "- built with " + ", ".join(f"{name} {version}" for name, version in sorted(versions.items())),
+        "- `build-info.json` beside this folder records every input and setting; `SHA256SUMS` checks every file.",
+        "",
+    ]
+    return "\n".join(lines)
