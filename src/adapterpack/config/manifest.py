@@ -133,7 +133,12 @@ class Base(_Strict):
 
 class Adapter(_Strict):
     name: StrictStr = Field(description="Function name in the package ([A-Za-z_][A-Za-z0-9_]*)")
-    path: StrictStr = Field(description="peft adapter folder: adapter_config.json + adapter_model.safetensors")
+    path: StrictStr = Field(
+        description="Adapter folder: peft's (adapter_config.json + adapter_model.safetensors) or mlx-lm's (adapters.safetensors)"
+    )
+    format: Literal["peft", "mlx"] | None = Field(
+        default=None, description="peft or mlx (mlx_lm.lora's folder); detected from the files when left out"
+    )
     scale: StrictFloat | StrictInt = Field(default=1.0, description="Multiplier on the adapter's LoRA scaling")
     lora: Literal["fuse", "keep"] | None = Field(default=None, description="Override of the manifest-wide `lora`")
     compression: dict[str, Any] | None = Field(

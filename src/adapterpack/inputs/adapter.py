@@ -45,6 +45,13 @@ class AdapterInfo:
     uses_dora: bool
     modules_to_save: tuple[str, ...]  # base module names whose weights the adapter replaces
     warnings: tuple[str, ...]
+    format: str = "peft"  # peft | mlx (then ``folder`` is its peft form, ``source`` what mlx-lm wrote)
+    source: Path | None = None
+
+    @property
+    def origin(self) -> Path:
+        """The folder the manifest names."""
+        return self.source or self.folder
 
 
 def _pattern_key(patterns: Iterable[str], module: str, config_file: Path, field: str) -> str | None:

@@ -47,16 +47,16 @@ def check_inputs(
     for adapter in manifest.adapters:
         # The hub id the tokenizer is named by is also a name of the base.
         aliases = tuple(filter(None, [manifest.base.tokenizer, base.config.get("_name_or_path")]))
-        info = inspect_adapter(manifest.adapter_path(adapter), base, allow_pickle=allow_pickle, base_names=aliases)
+        info = read_adapter(manifest.adapter_path(adapter), adapter.format, base, allow_pickle=allow_pickle, base_names=aliases)
         mode = manifest.lora_mode(adapter.name)
         if mode == "keep" and info.uses_dora:
             raise BadInput(
-                f"{info.folder}: DoRA adapters cannot be kept unfused (their magnitude vector rescales "
+                f"{info.origin}: DoRA adapters cannot be kept unfused (their magnitude vector rescales "
                 "the whole weight, so the base cannot be shared): use lora: fuse for this adapter"
             )
         if mode == "keep" and info.modules_to_save:
             raise BadInput(
-                f"{info.folder}: modules_to_save ({', '.join(info.modules_to_save)}) replaces whole base "
+                f"{info.origin}: modules_to_save ({', '.join(info.modules_to_save)}) replaces whole base "
                 "modules, which cannot be shared: use lora: fuse for this adapter"
             )
         for warning in info.warnings:
@@ -67,6 +67,23 @@ def check_inputs(
     if manifest.export.max_context == "auto":
         manifest = _resolve_auto_context(manifest, base, adapters)
     return CheckedInputs(manifest=manifest, base=base, adapters=adapters)
+
+
+def read_adapter(folder: Path, format: str | None, base, *, allow_pickle: bool, base_names: tuple[str, ...]):
+    """A peft adapter as it is; an mlx-lm one (stated, or detected by its files) checked and
+    read as the peft adapter that computes the same (``inputs.mlx_adapter``)."""
+    import dataclasses
+
+    from adapterpack.inputs.mlx_adapter import looks_like_mlx, read_mlx_adapter
+
+    folder = Path(folder)
+    if format == "mlx" or (format is None and folder.is_dir() and looks_like_mlx(folder)):
+        mlx = read_mlx_adapter(folder, base, base_names=(*base_names, str(base.folder)))
+        info = inspect_adapter(mlx.peft_folder, base)
+        return dataclasses.replace(
+            info, content_hash=mlx.content_hash, warnings=mlx.warnings, format="mlx", source=folder
+        )
+    return inspect_adapter(folder, base, allow_pickle=allow_pickle, base_names=base_names)
 
 
 def check_state_sizes(checked: CheckedInputs, *, strict: bool) -> None:
