@@ -70,7 +70,7 @@ BAD = {
     "fine_tune_type full": (q_proj_lora(), {"fine_tune_type": "full"}),
     "model.layers.0.self_attn.q_proj.lora_a maps to no LoRA layer": (q_proj_lora(layers=(0, 2, 3)), {}),
     "has shape (128, 8), the base needs (128, 4)": (q_proj_lora(rank=8), {}),
-    "adapter_quantization": (q_proj_lora(), {"adapter_quantization": {"format": "mlx_lm.quantized_lora"}}),
+    "adapter_quantization: not format mlx_lm.quantized_lora version 1": (q_proj_lora(), {"adapter_quantization": {"format": "mlx_lm.quantized_lora"}}),
     "lora_parameters.scale": (q_proj_lora(), {"lora_parameters": {"rank": 4}}),
 }
 
@@ -89,6 +89,19 @@ def test_nan_in_an_mlx_adapter_names_the_tensor(tmp_path):
     write_mlx_adapter(tmp_path / "skill", tensors)
     with pytest.raises(BadInput, match="model.layers.3.self_attn.q_proj.lora_b"):
         check_inputs(manifest_for(tmp_path, "  - {name: skill, path: skill}\n"))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_dequantization_is_mlx_s(bits):
+    mx = pytest.importorskip("mlx.core")
+    from adapterpack.inputs.mlx_adapter import dequantize
+
+    rng = np.random.default_rng(bits)
+    for group_size in (32, 64, 128):
+        packed, scales, biases = mx.quantize(mx.array(rng.normal(0, 1, (6, 256)).astype(np.float32)), group_size=group_size, bits=bits, mode="affine")
+        expected = np.array(mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits, mode="affine"))
+        got = dequantize(np.array(packed), np.array(scales), np.array(biases), group_size, bits)
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_quantized_training_base_is_one_warning(tmp_path, caplog):
@@ -140,7 +153,47 @@ def trained(tmp_path_factory) -> Path:
     train_with_mlx_lm(root / "dora", data, fine_tune_type="dora", num_layers=3)
     # top-level modules named by full path: the embedding and the output layer
     train_with_mlx_lm(root / "edges", data, fine_tune_type="lora", num_layers=1, keys=["mlp.up_proj", "model.embed_tokens", "lm_head"])
+    quantize_adapter(root / "lora", root / "quant", root / "quant-float", bits=4)
     return root
+
+
+def quantize_adapter(source: Path, target: Path, reference: Path, *, bits: int, group_size=64, rank_group_size=32) -> None:
+    """``target``: ``source`` persisted as mlx-lm's quantized LoRA (``QuantizedLoRALinear.from_lora``
+    and ``save_quantized_adapter``, mlx_lm/tuner: adapter_quantization, format mlx_lm.quantized_lora,
+    affine), quantized by MLX itself; ``reference``: the float adapter MLX dequantizes it to, as
+    ``QuantizedLoRALinear.fuse`` does. (The mlx-lm release here predates the quantized format, so
+    its writer is followed from its source.)"""
+    import mlx.core as mx
+
+    weights = mx.load(str(source / "adapters.safetensors"))
+    config = json.loads((source / "adapter_config.json").read_text())
+    rank = config["lora_parameters"]["rank"]
+    quantized, floats, layers = {}, {}, {}
+
+    def pad(matrix, size):
+        return mx.pad(matrix, [(0, 0), (0, size - matrix.shape[-1])])
+
+    for module in sorted({name.rsplit(".", 1)[0] for name in weights}):
+        a, b = weights[f"{module}.lora_a"], weights[f"{module}.lora_b"]  # (in, r), (r, out)
+        input_dims, output_dims = a.shape[0], b.shape[1]
+        padded_input, padded_rank = -(-input_dims // group_size) * group_size, -(-rank // rank_group_size) * rank_group_size
+        qa = mx.quantize(pad(a.T, padded_input), group_size=group_size, bits=bits, mode="affine")
+        qb = mx.quantize(pad(b.T, padded_rank), group_size=rank_group_size, bits=bits, mode="affine")
+        for leaf, (q, s, z) in (("lora_a", qa), ("lora_b", qb)):
+            quantized.update({f"{module}.{leaf}": q, f"{module}.{leaf}_scales": s, f"{module}.{leaf}_biases": z})
+        da = mx.dequantize(*qa, group_size=group_size, bits=bits, mode="affine")[:rank, :input_dims]
+        db = mx.dequantize(*qb, group_size=rank_group_size, bits=bits, mode="affine")[:, :rank]
+        floats.update({f"{module}.lora_a": da.T, f"{module}.lora_b": db.T})
+        layers[module] = {"bits": bits, "input_dims": input_dims, "output_dims": output_dims, "rank": rank,
+                          "padded_input_dims": padded_input, "padded_rank": padded_rank}
+    for folder, tensors, extra in (
+        (target, quantized, {"adapter_quantization": {"format": "mlx_lm.quantized_lora", "version": 1, "group_size": group_size,
+                                                     "rank_group_size": rank_group_size, "mode": "affine", "layers": layers}}),
+        (reference, floats, {}),
+    ):
+        folder.mkdir()
+        mx.save_safetensors(str(folder / "adapters.safetensors"), tensors)
+        (folder / "adapter_config.json").write_text(json.dumps(config | extra, indent=2, sort_keys=True))
 
 
 def mlx_logits(adapter: Path, ids: list[int]) -> np.ndarray:
@@ -175,7 +228,7 @@ def test_mlx_lm_adapters_match_mlx_lm_forward(trained, tmp_path, lora):
     manifest = manifest_for(
         tmp_path,
         f"  - {{name: lora, path: {trained / 'lora'}, format: mlx}}\n{dora}  - {{name: edges, path: {trained / 'edges'}}}\n"
-        f"  - {{name: code, path: {code}}}\n",
+        f"  - {{name: quant, path: {trained / 'quant'}}}\n  - {{name: code, path: {code}}}\n",
         f"lora: {lora}\ninclude_base: base\n",
     )
     result = build(manifest, output=tmp_path / "p.mlpackage")
@@ -184,8 +237,10 @@ def test_mlx_lm_adapters_match_mlx_lm_forward(trained, tmp_path, lora):
     base = mlx_logits_base(ids)
     edges = check_inputs(manifest).adapters["edges"]
     assert {"model.embed_tokens", "lm_head", "model.layers.3.mlp.up_proj"} == set(edges.target_modules)
-    for function in ["lora", "edges"] + ([] if lora == "keep" else ["dora"]):
-        ours, theirs = package_logits(result.output, function, ids), mlx_logits(trained / function, ids)
+    for function in ["lora", "edges", "quant"] + ([] if lora == "keep" else ["dora"]):
+        # the quantized adapter against mlx-lm's forward with MLX's own dequantization of it
+        reference = trained / ("quant-float" if function == "quant" else function)
+        ours, theirs = package_logits(result.output, function, ids), mlx_logits(reference, ids)
         assert cosine(ours, theirs) >= 0.9999, function
         assert np.abs(theirs - base).max() > 0.05  # the adapter changes mlx-lm's logits: not an identity
 

@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapters.safetensors"
 
-# mlx tensor leaf -> what it is
-_LEAVES = ("lora_a", "lora_b", "m")
+# mlx tensor leaves: LoRA matrices, DoRA's magnitude, and a quantized adapter's scales and biases
+_LEAVES = ("lora_a", "lora_b", "m", "lora_a_scales", "lora_a_biases", "lora_b_scales", "lora_b_biases")
+QUANTIZED_FORMAT = "mlx_lm.quantized_lora"
 
 
 def looks_like_mlx(folder: Path) -> bool:
@@ -91,9 +92,53 @@ def _read_config(folder: Path) -> dict:
         raise _bad(path, "lora_parameters.keys must be a list of module names")
     if not isinstance(config.get("num_layers"), int):
         raise _bad(path, "num_layers is missing or not an integer")
-    if config.get("adapter_quantization") is not None:
-        raise _bad(path, "adapter_quantization: quantized LoRA adapters (mlx_lm.quantized_lora) are not supported; package the float adapter")
+    quantization = config.get("adapter_quantization")
+    if quantization is not None:
+        _check_quantization(path, quantization, parameters["rank"])
     return config
+
+
+def _check_quantization(path: Path, quantization, rank: int) -> None:
+    """The checks mlx-lm's ``_parse_quantized_lora_layers`` makes, as one-line reasons."""
+    if not isinstance(quantization, dict) or quantization.get("format") != QUANTIZED_FORMAT or quantization.get("version") != 1:
+        raise _bad(path, f"adapter_quantization: not format {QUANTIZED_FORMAT} version 1")
+    if quantization.get("mode") != "affine":
+        raise _bad(path, f"adapter_quantization.mode {quantization.get('mode')!r}: only affine is supported (as mlx-lm persists it)")
+    for field in ("group_size", "rank_group_size"):
+        if quantization.get(field) not in (32, 64, 128):
+            raise _bad(path, f"adapter_quantization.{field} {quantization.get(field)!r}: 32, 64 or 128")
+    layers = quantization.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise _bad(path, "adapter_quantization.layers is missing")
+    fields = ("bits", "input_dims", "output_dims", "rank", "padded_input_dims", "padded_rank")
+    for name, layer in layers.items():
+        if not isinstance(layer, dict) or any(not isinstance(layer.get(f), int) or layer[f] <= 0 for f in fields):
+            raise _bad(path, f"adapter_quantization.layers.{name}: needs positive integers {', '.join(fields)}")
+        if layer["bits"] not in (2, 3, 4, 5, 6, 8):
+            raise _bad(path, f"adapter_quantization.layers.{name}.bits {layer['bits']}: 2, 3, 4, 5, 6 or 8")
+        if layer["rank"] != rank:
+            raise _bad(path, f"adapter_quantization.layers.{name}.rank {layer['rank']} disagrees with lora_parameters.rank {rank}")
+        if layer["padded_input_dims"] != _padded(layer["input_dims"], quantization["group_size"]) or layer[
+            "padded_rank"
+        ] != _padded(layer["rank"], quantization["rank_group_size"]):
+            raise _bad(path, f"adapter_quantization.layers.{name}: padding does not match the group sizes")
+
+
+def _padded(size: int, group: int) -> int:
+    return -(-size // group) * group
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int, bits: int) -> np.ndarray:
+    """MLX's affine dequantization (``mx.dequantize``): each row of ``packed`` (uint32) is a
+    little-endian stream of ``bits``-bit integers q, and a value is ``scale * q + bias`` with
+    one scale and bias per ``group_size`` values of its row."""
+    rows = packed.shape[0]
+    stream = np.unpackbits(np.ascontiguousarray(packed, dtype="<u4").view(np.uint8).reshape(rows, -1), axis=1, bitorder="little")
+    count = stream.shape[1] // bits
+    weights = (1 << np.arange(bits, dtype=np.uint32)).astype(np.uint32)
+    q = (stream[:, : count * bits].reshape(rows, count, bits).astype(np.uint32) * weights).sum(axis=2)
+    groups = q.reshape(rows, -1, group_size).astype(np.float32)
+    return (groups * scales[:, :, None] + biases[:, :, None]).reshape(rows, -1)
 
 
 def lora_modules(config: dict, base_tensors: dict) -> dict[str, str]:
@@ -117,6 +162,29 @@ def lora_modules(config: dict, base_tensors: dict) -> dict[str, str]:
     return chosen
 
 
+def _check_quantized_layer(weights: Path, module: str, leaves: dict, tensors: dict, layer: dict, quantization: dict, base_shape) -> None:
+    """A quantized LoRA layer's six tensors, their shapes and metadata, against the base."""
+    out_dim, in_dim = base_shape
+    if (layer["output_dims"], layer["input_dims"]) != (out_dim, in_dim):
+        raise _bad(weights, f"{module}: adapter_quantization says {layer['output_dims']}x{layer['input_dims']}, the base's is {out_dim}x{in_dim}")
+    bits, rank = layer["bits"], layer["rank"]
+    expected = {
+        "lora_a": (rank, layer["padded_input_dims"] * bits // 32),
+        "lora_a_scales": (rank, layer["padded_input_dims"] // quantization["group_size"]),
+        "lora_b": (out_dim, layer["padded_rank"] * bits // 32),
+        "lora_b_scales": (out_dim, layer["padded_rank"] // quantization["rank_group_size"]),
+    }
+    expected["lora_a_biases"], expected["lora_b_biases"] = expected["lora_a_scales"], expected["lora_b_scales"]
+    for leaf, shape in expected.items():
+        if leaf not in leaves:
+            raise _bad(weights, f"{module}.{leaf} is missing (a quantized LoRA layer has lora_a/lora_b, their scales and biases)")
+        name = leaves[leaf]
+        if tuple(tensors[name].shape) != shape:
+            raise _bad(weights, f"tensor {name} has shape {tuple(tensors[name].shape)}, its metadata needs {shape}")
+        if leaf in ("lora_a", "lora_b") and tensors[name].dtype != "U32":
+            raise _bad(weights, f"tensor {name} is {tensors[name].dtype}; quantized LoRA matrices are packed uint32")
+
+
 def _values(file: Path, tensors: dict) -> dict[str, np.ndarray]:
     """Every tensor as float32, read from the raw bytes (bfloat16 too, which numpy lacks)."""
     ranges = tensor_data_ranges(file)
@@ -126,7 +194,9 @@ def _values(file: Path, tensors: dict) -> dict[str, np.ndarray]:
             start, end = ranges[name]
             handle.seek(start)
             raw = handle.read(end - start)
-            if info.dtype == "BF16":
+            if info.dtype == "U32":
+                value = np.frombuffer(raw, "<u4").copy()
+            elif info.dtype == "BF16":
                 value = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
             elif info.dtype in ("F16", "F32", "F64"):
                 value = np.frombuffer(raw, {"F16": np.float16, "F32": np.float32, "F64": np.float64}[info.dtype]).astype(np.float32)
@@ -179,20 +249,31 @@ def read_mlx_adapter(folder: Path, base, *, base_names: tuple[str, ...] = (), wo
     check_finite(weights, tensors)
     dora = config.get("fine_tune_type", "lora") == "dora"
     rank = config["lora_parameters"]["rank"]
+    quantization = config.get("adapter_quantization") or {}
+    quantized = quantization.get("layers", {})
+    if dora and quantized:
+        raise _bad(folder / CONFIG, "adapter_quantization on a DoRA adapter: mlx-lm quantizes LoRA adapters only")
     expected = lora_modules(config, base.tensors)
     found: dict[str, dict[str, str]] = {}
     for name in tensors:
         module, _, leaf = name.rpartition(".")
-        if leaf not in _LEAVES or module not in expected or (leaf == "m" and not dora):
+        misplaced = (leaf == "m" and not dora) or (leaf.endswith(("_scales", "_biases")) and module not in quantized)
+        if leaf not in _LEAVES or module not in expected or misplaced:
             raise _bad(weights, f"tensor {name} maps to no LoRA layer mlx-lm makes on this base (fine_tune_type "
                                 f"{config.get('fine_tune_type', 'lora')}, num_layers {config['num_layers']}, keys "
                                 f"{config['lora_parameters'].get('keys') or 'default'})")
         found.setdefault(module, {})[leaf] = name
     if not found:
         raise _bad(weights, "holds no LoRA tensors")
+    for module in quantized:
+        if module not in found:
+            raise _bad(weights, f"adapter_quantization names {module}, which has no tensors here")
     for module, leaves in sorted(found.items()):
         kind = expected[module]
         out_dim, in_dim = base.tensors[f"{module}.weight"].shape
+        if module in quantized:
+            _check_quantized_layer(weights, module, leaves, tensors, quantized[module], quantization, (out_dim, in_dim))
+            continue
         if kind == "embedding":
             if dora:
                 raise _bad(weights, f"{module}: DoRA on an embedding is not supported")
@@ -230,9 +311,20 @@ def _write_peft(target: Path, config: dict, weights: Path, tensors: dict, found:
     values = _values(weights, tensors)
     parameters = config["lora_parameters"]
     rank = parameters["rank"]
+    quantization = config.get("adapter_quantization") or {}
     state = {}
     for module, leaves in sorted(found.items()):
         prefix = f"base_model.model.{module}"
+        layer = quantization.get("layers", {}).get(module)
+        if layer is not None:
+            # as QuantizedLoRALinear.fuse: dequantized, padding cut, already in peft's layout
+            a = dequantize(values[leaves["lora_a"]], values[leaves["lora_a_scales"]], values[leaves["lora_a_biases"]],
+                           quantization["group_size"], layer["bits"])[:rank, : layer["input_dims"]]
+            b = dequantize(values[leaves["lora_b"]], values[leaves["lora_b_scales"]], values[leaves["lora_b_biases"]],
+                           quantization["rank_group_size"], layer["bits"])[:, :rank]
+            state[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a)
+            state[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b)
+            continue
         a, b = values[leaves["lora_a"]], values[leaves["lora_b"]]
         if expected[module] == "embedding":
             state[f"{prefix}.lora_embedding_A"] = np.ascontiguousarray(a.T)
