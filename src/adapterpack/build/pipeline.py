@@ -145,6 +145,38 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
 CACHE_FOLDER = ".adapterpack-cache"
 
 
+def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | None = None) -> tuple[str, str]:
+    """(key, restore prefix) for a CI cache of the build cache (actions/cache): the key changes
+    with anything that changes what the cache holds (the base's and adapters' content, the
+    manifest's settings, tool and library versions; ``function`` for a fan-out job's part); the
+    prefix matches every cache of the same base and versions, so a build whose adapters changed
+    still restores the converted base and palettes. Costs one read of the inputs (the content
+    hashes every build computes), not a hash of the cache."""
+    import hashlib
+    import json
+
+    from adapterpack.mlpackage.metadata import library_versions
+
+    checked = check_inputs(manifest)
+    m = checked.manifest
+    if function is not None and function not in m.function_names:
+        raise BadInput(f"--function {function}: not a function of {m.source}: choose one of {', '.join(m.function_names)}")
+    versions = library_versions()
+
+    def digest(payload) -> str:
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    shared = digest({"base": checked.base.content_hash, "versions": versions, "export": m.export.model_dump(mode="json")})
+    everything = digest({
+        "shared": shared,
+        "manifest": m.model_dump(mode="json", exclude={"source", "output"}),
+        "adapters": {name: info.content_hash for name, info in checked.adapters.items()},
+        "function": function,
+    })
+    prefix = f"adapterpack-{versions['adapterpack']}-{m.name}-{shared}-"
+    return prefix + everything, prefix
+
+
 def verdict_key(record: PartRecord, digest: str, manifest: Manifest, backend: str) -> str:
     """Cache key of a function's verdict: the digest of its bytes as they are in the package
     (``mlpackage.digest``), what its reference is made from (the part's inputs, settings and

@@ -298,6 +298,7 @@ def release(
     backend: BackendOption = "numpy",
     strict: StrictOption = False,
     cache_dir: CacheDirOption = None,
+    no_cache: NoCacheOption = False,
     no_bundle: Annotated[bool, typer.Option("--no-bundle", help="Skip the app-ready folder (package, tokenizer files, Swift enum, model card)")] = False,
     eval_text: Annotated[Path | None, typer.Option("--eval-text", help="Measure perplexity on this text for the model card (see `eval`)")] = None,
     eval_window: Annotated[int | None, typer.Option("--eval-window", help="Tokens per eval window (see `eval --window`)")] = None,
@@ -311,7 +312,9 @@ def release(
     with error_boundary():
 
         _check_backend(backend)
-        options = BuildOptions(force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir)
+        options = BuildOptions(
+            force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir, use_cache=not no_cache
+        )
         result = run_release(
             manifest, out_dir, options=options, reporter=ConsoleReporter(quiet),
             bundle=not no_bundle, eval_text=eval_text, eval_window=eval_window,
@@ -462,6 +465,27 @@ def inspect(
             print_inspection(report, estimate, budget, top)
         if strict and report.device_findings:
             raise BadInput(f"{report.device_findings[0].line()} (an error with --strict)")
+
+
+@app.command("cache-key")
+def cache_key_command(
+    manifest: ManifestArg,
+    function: Annotated[str | None, typer.Option("--function", help="A fan-out job's function (its own key)")] = None,
+) -> None:
+    """Print the CI cache key of a manifest's build cache, and the prefix to restore from, as GitHub outputs.
+
+    Reads the inputs' content hashes (as a build does), never the cache: key= changes with the base, the
+    adapters, the settings and the versions; restore-key= matches caches of the same base and versions.
+
+    Example: adapterpack cache-key manifests/demo.yaml >> "$GITHUB_OUTPUT"
+    """
+    configure_logging(quiet=True)
+    with error_boundary():
+        from adapterpack.build.pipeline import cache_key
+
+        key, prefix = cache_key(manifest, function)
+        print(f"key={key}")
+        print(f"restore-key={prefix}")
 
 
 cache_app = typer.Typer(
