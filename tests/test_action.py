@@ -86,6 +86,7 @@ def tree_sha256(package: Path) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
+@pytest.mark.slow
 def test_build_step_builds_and_reports(workspace):
     steps = run_action(workspace, manifest="manifests/demo.yaml")
     key = steps["key"]["outputs"]
@@ -98,6 +99,7 @@ def test_build_step_builds_and_reports(workspace):
     assert (workspace / ".adapterpack-cache" / "parts").is_dir()  # what the save step stores
 
 
+@pytest.mark.slow
 def test_fan_out_parts_and_merge(workspace):
     keys = set()
     for function in ("code", "docs", "zen", "base"):  # one job each
@@ -112,6 +114,7 @@ def test_fan_out_parts_and_merge(workspace):
     assert out["sha256"] == tree_sha256(single)
 
 
+@pytest.mark.slow
 def test_release_step(workspace):
     steps = run_action(workspace, manifest="manifests/demo.yaml", command="release", out_dir="dist", cache="false")
     out = steps["run"]["outputs"]
