@@ -94,10 +94,11 @@ def check_float16_range(checked: CheckedInputs, functions: list[str], cache=None
     base = checked.base
     key = content_key({"check": "float16-range", "version": FLOAT16_CHECK, "base": base.content_hash})
     magnitudes = cache.checks(key) if cache is not None else None
-    if magnitudes is None:
+    computed = magnitudes is None
+    if computed:
         magnitudes = float16.tensor_magnitudes(base.tensors)
     float16.check_base(magnitudes, base.tensors)
-    if cache is not None:
+    if cache is not None and computed:
         cache.put_checks(key, magnitudes, base.content_hash)
     manifest = checked.manifest
     for name in functions:

@@ -489,7 +489,7 @@ def cache_key_command(
 
 
 cache_app = typer.Typer(
-    help="Inspect, check and bound a build cache (default .adapterpack-cache). " + EXIT_HELP,
+    help="Inspect, check and bound a build cache (default .adapterpack-cache): info, verify (exit 3 when damaged), prune.",
     no_args_is_help=True,
 )
 app.add_typer(cache_app, name="cache")
