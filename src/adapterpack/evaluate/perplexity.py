@@ -113,31 +113,30 @@ def evaluate(
     total, done = (2 if checked is not None else 1) * len(spans) * len(names), 0
     import torch
 
-    for name in names:
-        new_session = sessions(name)
-        ours_nll, ours_top, ref_nll, ref_top = [], [], [], []
+    def scored(forward) -> tuple[np.ndarray, np.ndarray]:
+        """(negative log-likelihoods, most likely tokens) of every scored token, window by window."""
+        nonlocal done
+        nll, top = [], []
         for start, end, first in spans:
-            logits = new_session()(ids[None, start:end].astype(np.int32), swift_mask(0, end - start))[0]
-            nll, top = _scores(logits, ids, start, first, end)
-            ours_nll.append(nll)
-            ours_top.append(top)
+            window_nll, window_top = _scores(forward(ids[None, start:end]), ids, start, first, end)
+            nll.append(window_nll)
+            top.append(window_top)
             done += 1
             if progress is not None:
                 progress(done, total)
+        return np.concatenate(nll), np.concatenate(top)
+
+    for name in names:
+        new_session = sessions(name)
+        # each window one prefill call on a fresh state, with the Swift client's mask
+        ours, ours_top = scored(
+            lambda window, new_session=new_session: new_session()(window.astype(np.int32), swift_mask(0, window.shape[1]))[0]
+        )
         if checked is None:
-            ours = np.concatenate(ours_nll)
             report.functions.append(FunctionEval(name, math.exp(ours.mean()), None, None))
             continue
         with reference_model(checked, name) as model:
-            for start, end, first in spans:
-                logits = model(torch.from_numpy(ids[None, start:end])).logits[0].float().numpy()
-                nll, top = _scores(logits, ids, start, first, end)
-                ref_nll.append(nll)
-                ref_top.append(top)
-                done += 1
-                if progress is not None:
-                    progress(done, total)
-        ours, reference = np.concatenate(ours_nll), np.concatenate(ref_nll)
-        agreement = float(np.mean(np.concatenate(ours_top) == np.concatenate(ref_top)))
+            reference, reference_top = scored(lambda window: model(torch.from_numpy(window)).logits[0].float().numpy())
+        agreement = float(np.mean(ours_top == reference_top))
         report.functions.append(FunctionEval(name, math.exp(ours.mean()), math.exp(reference.mean()), agreement))
     return report

@@ -45,6 +45,21 @@ def function_digest(function, description, identities: Mapping[int, bytes]) -> s
     return digest.hexdigest()
 
 
+def top_level_description(spec, name: str):
+    """The FunctionDescription of a single-function spec's one function, which it declares at
+    the top level (a multifunction spec lists one per function)."""
+    from coremltools.proto import Model_pb2
+
+    return Model_pb2.FunctionDescription(
+        name=name,
+        input=spec.description.input,
+        output=spec.description.output,
+        state=spec.description.state,
+        predictedFeatureName=spec.description.predictedFeatureName,
+        predictedProbabilitiesName=spec.description.predictedProbabilitiesName,
+    )
+
+
 def function_digests(package: Path) -> dict[str, str]:
     """{function: digest} of every function of a package on disk (multifunction or not)."""
     from coremltools.proto import Model_pb2
@@ -54,17 +69,7 @@ def function_digests(package: Path) -> dict[str, str]:
         raise BadInput(f"{package}: not an ML Program")
     descriptions = {d.name: d for d in spec.description.functions}
     if not descriptions:  # a single-function package declares its one function at the top
-        descriptions = {
-            name: Model_pb2.FunctionDescription(
-                name=name,
-                input=spec.description.input,
-                output=spec.description.output,
-                state=spec.description.state,
-                predictedFeatureName=spec.description.predictedFeatureName,
-                predictedProbabilitiesName=spec.description.predictedProbabilitiesName,
-            )
-            for name in spec.mlProgram.functions
-        }
+        descriptions = {name: top_level_description(spec, name) for name in spec.mlProgram.functions}
     digests = {}
     with contextlib.ExitStack() as files:
         handles = {}

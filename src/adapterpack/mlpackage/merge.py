@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, record_chunks, record_identity
-from adapterpack.mlpackage.digest import blob_values, function_digest
+from adapterpack.mlpackage.digest import blob_values, function_digest, top_level_description
 from adapterpack.mlpackage.metadata import METADATA_PREFIX, weights_digest
 from adapterpack.mlpackage.spec import MODEL_FOLDER, SPEC_NAME, load_spec_file
 from adapterpack.quiet import import_coremltools
@@ -117,14 +117,7 @@ def merge_functions(
                         raise BadInput(f"{package}: a weight lives in {value.fileName}, not {WEIGHTS_FILE}")
                     if value.offset not in placed:
                         placed[value.offset] = blob.copy(source, value.offset, str(weights))
-            declared = Model_pb2.FunctionDescription(
-                name=name,
-                input=spec.description.input,
-                output=spec.description.output,
-                state=spec.description.state,
-                predictedFeatureName=spec.description.predictedFeatureName,
-                predictedProbabilitiesName=spec.description.predictedProbabilitiesName,
-            )
+            declared = top_level_description(spec, name)
             digests[name] = function_digest(function, declared, {offset: key for offset, (_, key) in placed.items()})
             for value in blob_values(function):
                 value.offset = placed[value.offset][0]
