@@ -156,3 +156,19 @@ def test_text_stream_waits_for_whole_characters():
     stream = TextStream(Bytes())
     pieces = [stream.push(b) for b in "é!".encode()]
     assert pieces == ["", "é", "!"] and stream.finish() == ""
+
+
+def test_demo_bundle_runs_without_the_manifest(demo, tmp_path):
+    """The demo's app-ready bundle: its byte-level tokenizer files travel with the package, and
+    generate finds them beside it (no manifest, no hub)."""
+    from adapterpack.release.bundle import write_bundle
+
+    checked = check_inputs(DEMO)
+    files = write_bundle(tmp_path / "demo", checked, demo, demo.output)
+    bundle = tmp_path / "demo"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"):
+        assert (bundle / name).read_bytes() == (REPO / "adapters" / "demo" / "base" / name).read_bytes()
+        assert f"demo/{name}" in files
+    assert 'case zen = "zen"' in (bundle / "AdapterFunction.swift").read_text()
+    run = run_cli("generate", bundle / "demo.mlpackage", "--function", "zen", "--prompt", "Beautiful is", "--max-new-tokens", "12")
+    assert run.returncode == 0 and run.stdout.startswith("Beautiful is better than"), run.stdout + run.stderr
