@@ -92,14 +92,14 @@ def check_float16_range(checked: CheckedInputs, functions: list[str], cache=None
     from adapterpack.inputs import float16
 
     base = checked.base
-    key = content_key({"check": "float16-range", "version": FLOAT16_CHECK, "base": base.content_hash})
-    magnitudes = cache.checks(key) if cache is not None else None
+    check_key = content_key({"check": "float16-range", "version": FLOAT16_CHECK, "base": base.content_hash})
+    magnitudes = cache.checks(check_key) if cache is not None else None
     computed = magnitudes is None
     if computed:
         magnitudes = float16.tensor_magnitudes(base.tensors)
     float16.check_base(magnitudes, base.tensors)
     if cache is not None and computed:
-        cache.put_checks(key, magnitudes, base.content_hash)
+        cache.put_checks(check_key, magnitudes, base.content_hash)
     manifest = checked.manifest
     for name in functions:
         adapter = manifest.adapter(name)
@@ -121,7 +121,7 @@ def check_float16_range(checked: CheckedInputs, functions: list[str], cache=None
         for tensor in sorted(exact):
             if not float16.fits(exact[tensor]):
                 raise BadInput(
-                    f"{info.folder}: fused with scale {adapter.scale}, {tensor} {float16.describe(exact[tensor])}: "
+                    f"{info.origin}: fused with scale {adapter.scale}, {tensor} {float16.describe(exact[tensor])}: "
                     "it does not fit float16, which Core ML stores weights in; lower the scale or use lora: keep"
                 )
 

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.build.parts import PartRecord, place
+from adapterpack.build.parts import PartRecord, link_or_copy, place
 from adapterpack.verify.reports import function_report_from_json
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ class BuildCache:
                 elif source.is_dir():
                     place(source, target)
                 else:
-                    _link_or_copy(source, target)
+                    link_or_copy(source, target)
             record = {"layout": ENTRY_LAYOUT, "kind": kind, "key": key, "about": about, "files": _digests(incoming)}
             (incoming / ENTRY_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
             final = root / key
@@ -263,25 +263,18 @@ class BuildCache:
             return  # already gone (another build dropped it)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def clean_leftovers(self, older_than: float = STALE_SECONDS) -> int:
-        """Delete temporary folders that killed builds left (never a running build's); returns bytes freed."""
-        freed = 0
+    def clean_leftovers(self, older_than: float = STALE_SECONDS) -> None:
+        """Delete temporary folders that killed builds left (never a running build's)."""
         now = time.time()
         candidates = list(self.folder.glob(".trash-*")) + [p for kind in KINDS for p in (self.folder / kind).glob(".incoming-*")]
         for path in candidates:
             try:
-                if now - path.stat().st_mtime < older_than:
-                    continue
-                freed += _folder_bytes(path)
-                shutil.rmtree(path, ignore_errors=True)
+                if now - path.stat().st_mtime >= older_than:
+                    shutil.rmtree(path, ignore_errors=True)
             except OSError:
                 continue
-        return freed
 
     # -- what the build stores -------------------------------------------------------------
-
-    def part(self, key: str) -> Path | None:
-        return self.parts([key]).get(key)
 
     def parts(self, keys: Iterable[str]) -> dict[str, Path]:
         return {key: folder / PART_PACKAGE for key, folder in self.open_many("parts", keys).items()}
@@ -380,19 +373,6 @@ class BuildCache:
         found += [p for p in (self.folder / "templates", self.folder / "verified") if p.exists()]
         found += list((self.folder / "palettes").glob("*.npz"))
         return sorted(found)
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-
-
-def _folder_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class CachedPalettes:

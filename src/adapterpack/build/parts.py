@@ -135,17 +135,18 @@ class Part(NamedTuple):
     package: Path
 
 
+def link_or_copy(source: str | Path, destination: str | Path) -> None:
+    """A hard link where the filesystem allows one (parts are never modified), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
 def place(source: Path, destination: Path) -> None:
     """Copy a package folder, hard-linking files where possible (parts are never modified)."""
     if destination.exists():
         shutil.rmtree(destination)
-
-    def link_or_copy(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
     shutil.copytree(source, destination, copy_function=link_or_copy)
 
 

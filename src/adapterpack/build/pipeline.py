@@ -19,7 +19,7 @@ from adapterpack.build.builder import (
     template_key,
 )
 from adapterpack.build.cache import BuildCache
-from adapterpack.build.parts import PartRecord, read_parts, write_part
+from adapterpack.build.parts import PartRecord, content_key, read_parts, write_part
 from adapterpack.build.records import BuildOptions, BuildResult, Reporter
 from adapterpack.build.staging import Staging
 from adapterpack.config.device_rules import package_findings
@@ -152,9 +152,6 @@ def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | N
     prefix matches every cache of the same base and versions, so a build whose adapters changed
     still restores the converted base and palettes. Costs one read of the inputs (the content
     hashes every build computes), not a hash of the cache."""
-    import hashlib
-    import json
-
     from adapterpack.mlpackage.metadata import library_versions
 
     checked = check_inputs(manifest)
@@ -162,17 +159,13 @@ def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | N
     if function is not None and function not in m.function_names:
         raise BadInput(f"--function {function}: not a function of {m.source}: choose one of {', '.join(m.function_names)}")
     versions = library_versions()
-
-    def digest(payload) -> str:
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    shared = digest({"base": checked.base.content_hash, "versions": versions, "export": m.export.model_dump(mode="json")})
-    everything = digest({
+    shared = content_key({"base": checked.base.content_hash, "versions": versions, "export": m.export.model_dump(mode="json")})[:16]
+    everything = content_key({
         "shared": shared,
         "manifest": m.model_dump(mode="json", exclude={"source", "output"}),
         "adapters": {name: info.content_hash for name, info in checked.adapters.items()},
         "function": function,
-    })
+    })[:16]
     prefix = f"adapterpack-{versions['adapterpack']}-{m.name}-{shared}-"
     return prefix + everything, prefix
 
@@ -182,9 +175,6 @@ def verdict_key(record: PartRecord, digest: str, manifest: Manifest, backend: st
     (``mlpackage.digest``), what its reference is made from (the part's inputs, settings and
     versions), the verify settings and thresholds, and the backend. A verdict so keyed vouches
     for exactly the bytes it was given."""
-    import hashlib
-    import json
-
     payload = {
         "bytes": digest,
         "part": record.key,
@@ -192,7 +182,7 @@ def verdict_key(record: PartRecord, digest: str, manifest: Manifest, backend: st
         "backend": backend,
         "format": VERIFY_FORMAT,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return content_key(payload)
 
 
 def build_function_part(

@@ -202,7 +202,7 @@ def fused_weight_changes(
         fused = _fused_weights(layers, None, dtype)
         if fused is not None:
             changes = {f"{target}.weight": (originals[f"{target}.weight"], fused[target]) for target in adapter_info.target_modules}
-            return _finite(changes, adapter_info.folder)
+            return _finite(changes, adapter_info.origin)
         # DoRA, LoRA biases, embeddings: peft's own merge, at the stored precision
         changes = {}
         for name, layer in layers:
@@ -212,7 +212,7 @@ def fused_weight_changes(
                 old = originals[f"{name}.{tensor}"]
                 if tensor == "weight" or not torch.equal(old, new):  # a LoRA bias changes the bias
                     changes[f"{name}.{tensor}"] = (old, new)
-    return _finite(changes, adapter_info.folder)
+    return _finite(changes, adapter_info.origin)
 
 
 def _finite(changes: dict, folder: Path) -> dict:
