@@ -17,6 +17,7 @@ from rich.table import Table
 
 from adapterpack.build.records import ProgressLines, progress_text
 from adapterpack.errors import BadInput
+from adapterpack.report.memory import human_size
 
 # CI logs are not terminals; rich would wrap tables at 80 columns there.
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -73,15 +74,6 @@ class ConsoleReporter:
     def info(self, message: str) -> None:
         if not self.quiet:
             err.print(message, highlight=False)
-
-
-def human_size(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1024 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GB"
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "T": 1 << 40, "TB": 1 << 40}

@@ -222,8 +222,6 @@ def generate(
         raise BadInput("--compare needs --manifest: the reference is made from its base and adapters")
     text = package_text(package, checked)
     text.check_function(function)
-    if checked is not None and function not in checked.manifest.function_names:
-        raise BadInput(f"{checked.manifest.source}: no function {function!r}: the package is not built from this manifest")
     prompt_ids = text.encode(prompt)
     settings = dict(limit=text.max_tokens, eos=text.eos_ids, max_new_tokens=max_new_tokens, sampling=sampling)
     run = Generation(PackageStream(function_sessions(package, backend)(function)), prompt_ids, **settings)

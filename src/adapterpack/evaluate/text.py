@@ -26,6 +26,7 @@ class PackageText:
     tokenizer: object  # transformers PreTrainedTokenizerBase
     eos_ids: frozenset[int]
     max_context: int
+    manifest: object | None = None  # the Manifest the package is run against, if any
 
     @property
     def max_tokens(self) -> int:
@@ -33,8 +34,11 @@ class PackageText:
         return self.max_context - 1
 
     def check_function(self, function: str) -> None:
+        """BadInput unless the package, and the manifest when there is one, have ``function``."""
         if function not in self.functions:
             raise BadInput(f"{self.package}: no function {function!r}: it has {', '.join(self.functions)}")
+        if self.manifest is not None and function not in self.manifest.function_names:
+            raise BadInput(f"{self.manifest.source}: no function {function!r}: the package is not built from this manifest")
 
     def encode(self, text: str, *, where: str = "--prompt") -> list[int]:
         ids = list(self.tokenizer(text).input_ids)
@@ -93,7 +97,7 @@ def package_text(package: str | Path, checked=None) -> PackageText:
         max_context = int(listing.metadata["co.adapterpack.maxContext"])
     except (KeyError, ValueError):
         raise BadInput(f"{package}: not built by adapterpack (no maxContext in its metadata)") from None
-    return PackageText(package, listing.names, tokenizer, frozenset(eos), max_context)
+    return PackageText(package, listing.names, tokenizer, frozenset(eos), max_context, checked.manifest if checked is not None else None)
 
 
 # Bytes that do not occur in text: a file holding them is binary.

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from adapterpack.errors import BadInput
-from adapterpack.inputs.safetensors import TensorInfo, tensor_data_ranges
+from adapterpack.inputs.safetensors import TensorInfo, tensor_chunks, tensor_data_ranges
 
 FLOAT16_MAX = 65504.0
 
@@ -58,16 +58,10 @@ def tensor_magnitudes(tensors: Mapping[str, TensorInfo]) -> dict[str, float]:
 def _largest(handle, start: int, length: int, dtype: str) -> float:
     bits, mask, floats, shift = _MAGNITUDE_BITS[dtype]
     largest = 0
-    handle.seek(start)
-    done = 0
-    while done < length:
-        chunk = handle.read(min(_CHUNK, length - done))
-        if not chunk:
-            raise OSError(f"file ends inside tensor data at byte {start + done}")
+    for _, chunk in tensor_chunks(handle, start, length, _CHUNK):
         values = np.frombuffer(chunk, dtype=bits)
         if values.size:
             largest = max(largest, int(np.bitwise_and(values, bits(mask)).max()))
-        done += len(chunk)
     if shift:
         return float(np.array([largest << shift], np.uint32).view(floats)[0])
     return float(np.array([largest], bits).view(floats)[0])

@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -351,21 +351,29 @@ def _scan_nonfinite(
     """Count non-finite values in ``length`` bytes at ``start``; return (count, first offset)."""
     view, mask, value = rule
     itemsize = np.dtype(view).itemsize
-    fh.seek(start)
-    count, first, done = 0, -1, 0
-    while done < length:
-        buf = fh.read(min(_CHUNK, length - done))
-        if not buf:
-            raise OSError("file truncated while reading tensor data")
-        # Chunks are multiples of 8 bytes and tensors whole elements, so a chunk never splits one.
+    count, first = 0, -1
+    for done, buf in tensor_chunks(fh, start, length):
         bits = np.frombuffer(buf, dtype=view)
         hits = np.flatnonzero((bits & view(mask)) == view(value))
         if hits.size:
             if first < 0:
                 first = int(hits[0]) * itemsize + done
             count += int(hits.size)
-        done += len(buf)
     return count, first
+
+
+def tensor_chunks(fh: Any, start: int, length: int, chunk: int = _CHUNK) -> Iterator[tuple[int, bytes]]:
+    """(offset within the tensor, bytes) of the ``length`` bytes at ``start``, ``chunk`` at a time;
+    OSError when the file ends first. Chunks are multiples of 8 bytes and tensors whole
+    elements, so a chunk never splits an element."""
+    fh.seek(start)
+    done = 0
+    while done < length:
+        buf = fh.read(min(chunk, length - done))
+        if not buf:
+            raise OSError(f"file truncated while reading tensor data (byte {start + done})")
+        yield done, buf
+        done += len(buf)
 
 
 _Roles = dict[str, tuple[str, TensorInfo]]  # role ("A", "B", ...) -> (adapter key, info)

@@ -17,13 +17,14 @@ depends on when or where it was made, so it is byte-reproducible like the zip.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 from adapterpack.build.parts import place
 from adapterpack.errors import BadInput
+from adapterpack.inputs.safetensors import sha256_files
 from adapterpack.mlpackage.functions import read_functions
+from adapterpack.report.memory import human_size
 from adapterpack.report.swift import swift_case_name, swift_enum
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,6 @@ def check_tokenizer_files(checked) -> None:
         )
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=None) -> dict[str, str]:
     """Write the bundle into ``folder`` (new); returns {path relative to ``folder``'s parent: sha256}
     of every file in it."""
@@ -71,20 +64,12 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
     listing = read_functions(folder / package.name)
     (folder / f"{SWIFT_TYPE}.swift").write_text(swift_enum(listing, SWIFT_TYPE) + "\n")
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    hashes = {p.relative_to(folder.parent).as_posix(): file_sha256(p) for p in files}
+    hashes = {p.relative_to(folder.parent).as_posix(): sha256_files([p]) for p in files}
     card = model_card(checked, result, package.name, copied, hashes, folder.name, eval_report)
     (folder / "README.md").write_text(card)
-    hashes[f"{folder.name}/README.md"] = file_sha256(folder / "README.md")
+    hashes[f"{folder.name}/README.md"] = sha256_files([folder / "README.md"])
     log.debug("bundle %s: %d files", folder, len(hashes))
     return dict(sorted(hashes.items()))
-
-
-def _size(value: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1024 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GB"
 
 
 def model_card(checked, result, package_name: str, tokenizer_files: list[str], hashes: dict[str, str],
@@ -169,9 +154,9 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
             "",
             "## Memory on device",
             "",
-            f"The largest function needs about {_size(estimate.weights_bytes + estimate.kv_bytes + estimate.activation_bytes)} "
-            f"(weights {_size(estimate.weights_bytes)}, KV-cache {_size(estimate.kv_bytes)}, activations "
-            f"{_size(estimate.activation_bytes)}). Limits are per-app memory limits, most estimated from public "
+            f"The largest function needs about {human_size(estimate.weights_bytes + estimate.kv_bytes + estimate.activation_bytes)} "
+            f"(weights {human_size(estimate.weights_bytes)}, KV-cache {human_size(estimate.kv_bytes)}, activations "
+            f"{human_size(estimate.activation_bytes)}). Limits are per-app memory limits, most estimated from public "
             "developer reports (see `adapterpack inspect`).",
             "",
             "| device | RAM | app limit | fits | headroom |",
@@ -180,8 +165,8 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
         for row in rows:
             headroom = row["headroom_bytes"]
             lines.append(
-                f"| {row['name']} | {_size(row['ram_bytes'])} | {_size(row['limit_bytes'])} | "
-                f"{'yes' if row['fits'] else 'no'} | {'-' if headroom < 0 else _size(headroom)} |"
+                f"| {row['name']} | {human_size(row['ram_bytes'])} | {human_size(row['limit_bytes'])} | "
+                f"{'yes' if row['fits'] else 'no'} | {'-' if headroom < 0 else human_size(headroom)} |"
             )
     first = result.functions[0].name
     lines += [

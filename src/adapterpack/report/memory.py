@@ -10,6 +10,16 @@ from adapterpack.config.devices import activation_bytes, largest_context_that_fi
 from adapterpack.report.inspect import PackageReport
 
 
+def human_size(size: int) -> str:
+    """Bytes as people read them: 512 B, 705.6 KB, 2.5 GB (units of 1024)."""
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"
+
+
 @dataclass
 class MemoryEstimate:
     """Run-time memory of the package's heaviest function at its largest call (see config.devices)."""

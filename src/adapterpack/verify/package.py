@@ -20,7 +20,7 @@ from adapterpack.verify.executor import DeclaredTypeMismatch
 from adapterpack.verify.metrics import compare_logits, retention
 from adapterpack.verify.reference import reference_logits
 from adapterpack.verify.reports import FunctionReport, VerifyReport
-from adapterpack.verify.runners import Backend, coreml_runner, numpy_runner
+from adapterpack.verify.runners import Backend, drive_runner
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def verify_package(
         report.functions = [reuse[name] for name in expected]
         return report
     try:
-        run, _ = coreml_runner(package) if backend == "coreml" else numpy_runner(package)
+        run = drive_runner(package, backend)
     except BadInput:
         raise
     except Exception as error:  # a damaged package fails verification rather than crashing it

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Literal
 
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.functions import read_functions
 from adapterpack.quiet import captured_output, import_coremltools
 from adapterpack.verify.drives import Predict, run_drives
 from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
@@ -66,13 +65,10 @@ def _coreml_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
     return open_function
 
 
-def numpy_runner(package: Path):
-    """``run(function, tokens, prefill)``: every drive's logits, on the numpy executor."""
-    sessions = function_sessions(package, "numpy")
-    return (lambda function, tokens, prefill: run_drives(sessions(function), tokens, prefill)), ProgramExecutor.function_names_of(package)
-
-
-def coreml_runner(package: Path):
-    """``run(function, tokens, prefill)``: every drive's logits, on Core ML (macOS)."""
-    sessions = function_sessions(package, "coreml")
-    return (lambda function, tokens, prefill: run_drives(sessions(function), tokens, prefill)), read_functions(package).names
+def drive_runner(package: Path, backend: Backend = "numpy"):
+    """``run(function, tokens, prefill)``: every drive's logits, each drive through a fresh state."""
+    if backend == "numpy":
+        # A program the executor cannot read fails here, as the package, before any function runs.
+        ProgramExecutor.function_names_of(package)
+    sessions = function_sessions(package, backend)
+    return lambda function, tokens, prefill: run_drives(sessions(function), tokens, prefill)
