@@ -138,6 +138,25 @@ def make_project(root: Path, manifest: str, adapters: dict[str, dict]) -> Path:
     return root
 
 
+# Two palettized fused adapters on different modules and the base function: the projects the
+# build cache and fan-out tests rebuild, change and corrupt.
+CACHED_MANIFEST = """name: {name}
+base: {{path: base}}
+adapters:
+  - {{name: chat, path: chat}}
+  - {{name: code, path: code}}
+include_base: base
+export: {{max_context: 32}}
+compression: {{method: palettize}}
+"""
+CACHED_ADAPTERS = {"chat": dict(std=0.1), "code": dict(std=0.1, seed=4, targets=("gate_proj", "up_proj"))}
+
+
+def make_cached_project(root: Path, name: str) -> Path:
+    """``make_project`` with ``CACHED_MANIFEST`` (named ``name``) and ``CACHED_ADAPTERS``."""
+    return make_project(root, CACHED_MANIFEST.format(name=name), CACHED_ADAPTERS)
+
+
 def run_cli(*args, cwd: Path | None = None):
     """``adapterpack ARGS`` in a subprocess (no debug tracebacks), its output captured."""
     import os

@@ -19,26 +19,14 @@ from adapterpack.build.cache import ENTRY_FILE, BuildCache, file_digests
 from adapterpack.build.pipeline import build
 from adapterpack.build.records import BuildOptions
 from adapterpack.errors import BadInput
-from factories import make_adapter, make_project, run_cli, tree_digest
+from factories import CACHED_MANIFEST, make_adapter, make_cached_project, make_project, run_cli, tree_digest
 
-MANIFEST = """name: trust
-base: {path: base}
-adapters:
-  - {name: chat, path: chat}
-  - {name: code, path: code}
-include_base: base
-export: {max_context: 32}
-compression: {method: palettize}
-"""
+MANIFEST = CACHED_MANIFEST.format(name="trust")
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    return make_project(
-        tmp_path_factory.mktemp("trust"),
-        MANIFEST,
-        {"chat": dict(std=0.1), "code": dict(std=0.1, seed=4, targets=("gate_proj", "up_proj"))},
-    )
+    return make_cached_project(tmp_path_factory.mktemp("trust"), "trust")
 
 
 @pytest.fixture(scope="module")

@@ -12,26 +12,14 @@ from adapterpack.build.pipeline import build, build_function_part, merge_from_pa
 from adapterpack.build.records import BuildOptions
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.functions import read_functions
-from factories import make_adapter, make_project, tree_digest
+from factories import CACHED_MANIFEST, make_adapter, make_cached_project, tree_digest
 
-MANIFEST = """name: parts
-base: {path: base}
-adapters:
-  - {name: chat, path: chat}
-  - {name: code, path: code}
-include_base: base
-export: {max_context: 32}
-compression: {method: palettize}
-"""
+MANIFEST = CACHED_MANIFEST.format(name="parts")
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    return make_project(
-        tmp_path_factory.mktemp("parts"),
-        MANIFEST,
-        {"chat": dict(std=0.1), "code": dict(std=0.1, seed=4, targets=("gate_proj", "up_proj"))},
-    )
+    return make_cached_project(tmp_path_factory.mktemp("parts"), "parts")
 
 
 @pytest.fixture(scope="module")
