@@ -97,6 +97,14 @@ def file_digests(path: Path) -> list[str]:
             return list(pool.map(piece, pieces))
 
 
+def _piece_digests(data: bytes) -> list[str]:
+    """``file_digests`` of bytes in memory."""
+    view = memoryview(data)
+    return [hashlib.sha256(view[o : o + HASH_PIECE]).hexdigest() for o in range(0, len(data), HASH_PIECE)] or [
+        hashlib.sha256(b"").hexdigest()
+    ]
+
+
 def _payload_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != ENTRY_FILE)
 
@@ -209,18 +217,43 @@ class BuildCache:
                 problems = dict(zip(found, pool.map(lambda e: e.problem(), found.values())))
         else:
             problems = {key: entry.problem() for key, entry in found.items()}
-        opened = {}
-        for key, entry in found.items():
-            if problems[key] is not None:
-                self.warn(f"build cache: {entry.name} is damaged ({problems[key]}): dropped, built again")
-                self.drop(entry.folder)
-                continue
+        return {key: entry.folder for key, entry in found.items() if self._accept(entry, problems[key])}
+
+    def _accept(self, entry: Entry, problem: str | None) -> bool:
+        """Whether to use ``entry``: a damaged one is reported and dropped; a sound one is
+        marked as used now."""
+        if problem is not None:
+            self.warn(f"build cache: {entry.name} is damaged ({problem}): dropped, built again")
+            self.drop(entry.folder)
+            return False
+        try:
+            os.utime(entry.folder / ENTRY_FILE)  # last use, for pruning the least recently used
+        except OSError:
+            pass
+        return True
+
+    def read_file(self, kind: str, key: str, name: str) -> bytes | None:
+        """The one file ``name`` of entry ``kind/key``, read once and checked against its recorded
+        digests in memory (a small entry: palettes, a check, a verdict); None when there is none
+        or it is damaged (reported and dropped)."""
+        folder = self.folder / kind / key
+        if not folder.is_dir():
+            return None
+        entry = self._read(folder, kind)
+        if entry is None:
+            self.warn(f"build cache: {kind}/{key[:16]} has no readable {ENTRY_FILE} (an interrupted copy?): dropped, built again")
+            self.drop(folder)
+            return None
+        problem = entry.problem(sizes_only=True)
+        data = b""
+        if problem is None:
             try:
-                os.utime(entry.folder / ENTRY_FILE)  # last use, for pruning the least recently used
-            except OSError:
-                pass
-            opened[key] = entry.folder
-        return opened
+                data = (folder / name).read_bytes()
+            except OSError as error:
+                problem = f"{name} cannot be read ({error.strerror or error})"
+        if problem is None and _piece_digests(data) != entry.files.get(name, [0, []])[1]:
+            problem = f"{name} is not the file that was written"
+        return data if self._accept(entry, problem) else None
 
     def write(self, kind: str, key: str, files: Mapping[str, Path | bytes], about: dict) -> Path:
         """Store ``files`` (name -> a file or package folder to copy, or bytes) as entry
@@ -291,10 +324,10 @@ class BuildCache:
         self.write("bases", key, {BASE_PACKAGE: package}, {"base": base_sha256})
 
     def checks(self, key: str) -> dict | None:
-        folder = self.open("checks", key)
+        data = self.read_file("checks", key, "check.json")
         try:
-            return json.loads((folder / "check.json").read_text()) if folder is not None else None
-        except (OSError, ValueError):
+            return json.loads(data) if data is not None else None
+        except ValueError:
             return None
 
     def put_checks(self, key: str, result: dict, base_sha256: str) -> None:
@@ -382,11 +415,7 @@ class CachedPalettes:
         self.cache = cache
 
     def read(self, key: str) -> bytes | None:
-        folder = self.cache.open("palettes", key)
-        try:
-            return (folder / "palettes.npz").read_bytes() if folder is not None else None
-        except OSError:
-            return None
+        return self.cache.read_file("palettes", key, "palettes.npz")
 
     def write(self, key: str, data: bytes) -> None:
         self.cache.write("palettes", key, {"palettes.npz": data}, {})
