@@ -21,7 +21,6 @@ chooses: the modules named by ``keys`` (default: every linear layer of a block) 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from adapterpack.errors import BadInput
-from adapterpack.inputs.safetensors import check_finite, read_safetensors_header, tensor_data_ranges
+from adapterpack.inputs.safetensors import check_finite, read_safetensors_header, sha256_files, tensor_data_ranges
 
 log = logging.getLogger(__name__)
 
@@ -206,13 +205,6 @@ def _values(file: Path, tensors: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def _content_hash(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for name in (CONFIG, WEIGHTS):
-        digest.update((folder / name).read_bytes())
-    return digest.hexdigest()
-
-
 def _names_another_base(model: str | None, base, manifest_names: tuple[str, ...]) -> str | None:
     """Why the adapter's ``model`` is not the manifest's base (None when it looks like it)."""
     if not model:
@@ -296,7 +288,7 @@ def read_mlx_adapter(folder: Path, base, *, base_names: tuple[str, ...] = (), wo
     if reason:
         warnings.append(f"{folder / CONFIG}: model is {reason}")
 
-    content_hash = _content_hash(folder)
+    content_hash = sha256_files((folder / CONFIG, weights))  # over the files mlx-lm wrote, as for peft's
     root = Path(work) if work is not None else Path(tempfile.gettempdir()) / f"adapterpack-mlx-{os.getuid()}"
     target = root / content_hash
     if not (target / "adapter_model.safetensors").is_file():
