@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv/ at the repo root and install adapterpack with its test dependencies.
+# Create .venv/ at the repo root and install adapterpack with its test dependencies and the
+# Core AI extra (the .aimodel format; its tests run in the default suite).
 # torch is installed first from its CPU wheel: a plain `torch` requirement with nothing installed
 # would pull a multi-GB CUDA build. Safe to re-run; it only installs what is missing.
 set -euo pipefail
@@ -13,5 +14,5 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==${ADAPTERPACK_TORCH:-2.13.0}"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test,coreai]"
 echo "adapterpack installed: .venv/bin/adapterpack" >&2

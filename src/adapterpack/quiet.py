@@ -41,6 +41,33 @@ def captured_output() -> Iterator[io.StringIO]:
         yield buffer
 
 
+@contextlib.contextmanager
+def native_output_captured() -> Iterator[None]:
+    """Capture what native code writes to the process's stdout/stderr (file descriptors 1 and 2,
+    which Python's redirection does not reach); kept for the debug log."""
+    import sys
+    import tempfile
+
+    log = logging.getLogger(__name__)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            printed = sink.read().decode(errors="replace").strip()
+            if printed:
+                log.debug("native output: %s", printed)
+
+
 # Libraries coremltools probes at import for converters and modes adapterpack never uses (its
 # scikit-learn converters and scikit-learn k-means): importing scikit-learn alone adds about 0.7 s
 # to every command where it is installed.

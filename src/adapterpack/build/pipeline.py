@@ -24,7 +24,7 @@ from adapterpack.build.records import BuildOptions, BuildResult, Reporter
 from adapterpack.build.staging import Staging
 from adapterpack.config.device_rules import package_findings
 from adapterpack.config.devices import lora_float16_bytes
-from adapterpack.config.manifest import Manifest
+from adapterpack.config.manifest import Manifest, format_of
 from adapterpack.errors import BadInput, OutputExists, VerificationFailed
 from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_sizes
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
@@ -68,6 +68,7 @@ def build(
     started = time.perf_counter()
     checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
     check_state_sizes(checked, strict=options.strict)
+    checked = checked.with_format(chosen_format(checked.manifest, output, options.package_format))
     manifest = checked.manifest
     destination = manifest.output_path(output)
     if destination.exists() and not options.force:
@@ -76,6 +77,8 @@ def build(
 
     cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
     cache = BuildCache(cache_dir) if options.use_cache else None
+    if manifest.export.format == "aimodel":
+        return _build_asset(checked, destination, options, reporter, cache, started)
     with Staging(destination) as staging:
         parts, reused = build_parts(checked, staging.folder / "parts", reporter, cache=cache)
         records = [record.function_record() for record, _ in parts]
@@ -122,6 +125,56 @@ def build(
             f"{result.package_size / 2**20:.1f} MiB (the base stored once, adapters as float16 LoRA matrices)"
         )
     return result
+
+
+# Why fan-out stops at the .mlpackage: Core AI shares weights only between entry points converted
+# in one session, so separate jobs' assets could not be merged without storing the base again.
+ASSET_WHOLE = (
+    "parts and merge are for .mlpackage: an .aimodel is converted in one session to store the base once "
+    "(build it whole: adapterpack build MANIFEST --format aimodel)"
+)
+
+
+def chosen_format(manifest: Manifest, output: str | Path | None, package_format: str | None) -> str:
+    """The format a build writes: ``--format``, else the output path's suffix, else the manifest's."""
+    named = format_of(output) if output is not None else None
+    if package_format and named and named != package_format:
+        raise BadInput(f"--output {output} is a .{named} but --format is {package_format}")
+    chosen = package_format or named or manifest.export.format
+    try:
+        manifest.export.model_copy(update={"format": chosen}).check_precision()
+    except ValueError as error:
+        raise BadInput(f"{manifest.source or 'manifest'}: export: {error}") from None
+    return chosen
+
+
+def _build_asset(checked: CheckedInputs, destination: Path, options: BuildOptions, reporter: Reporter, cache, started: float) -> BuildResult:
+    """The ``.aimodel`` build: one converter session for every function, verified with the Core AI
+    runtime in staging. No parts: the asset is written whole (build cache: palettes only)."""
+    from adapterpack.build.aimodel import build_asset
+
+    manifest = checked.manifest
+    report = None
+    with Staging(destination) as staging:
+        staged = staging.folder / destination.name
+        records = build_asset(checked, staged, reporter, cache=cache)
+        if options.verify:
+            with reporter.stage(f"verify {len(records)} function(s) (Core AI runtime, CPU)"):
+                report = verify_package(staged, manifest, checked=checked, stage=reporter.stage)
+            if not report.passed:
+                raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
+        staging.commit(staged)
+    return BuildResult(
+        output=destination,
+        manifest=manifest,
+        functions=records,
+        default_function=manifest.default,
+        part_sizes={},
+        package_size=folder_size(destination),
+        seconds=time.perf_counter() - started,
+        verify_report=report,
+        reused=[],
+    )
 
 
 # Suggest keep mode when it would save more than a quarter of the package.
@@ -201,6 +254,8 @@ def build_function_part(
     reporter = reporter or Reporter()
     checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
     check_state_sizes(checked, strict=options.strict)
+    if chosen_format(checked.manifest, None, options.package_format) == "aimodel":
+        raise BadInput(ASSET_WHOLE)
     if function not in checked.manifest.function_names:
         raise BadInput(
             f"--function {function}: not a function of {checked.manifest.source}: "
@@ -227,6 +282,8 @@ def merge_from_parts(
     backend = options.backend
     reporter = reporter or Reporter()
     started = time.perf_counter()
+    if format_of(output) == "aimodel":
+        raise BadInput(ASSET_WHOLE)
     parts = read_parts(Path(parts_dir))
     destination = Path(output).resolve()
     if destination.exists() and not options.force:

@@ -89,6 +89,7 @@ class BuildOptions:
     backend: str = "numpy"  # verification backend: numpy (any OS) or coreml (macOS)
     cache_dir: Path | None = None  # build cache (default: .adapterpack-cache beside the output)
     use_cache: bool = True  # read and write the build cache
+    package_format: str | None = None  # mlpackage | aimodel (--format); None: the output's suffix or the manifest's
 
 
 @dataclass

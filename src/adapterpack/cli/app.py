@@ -28,17 +28,20 @@ from adapterpack.cli.render import (
     human_size,
     out,
     parse_size,
+    print_asset_inspection,
     print_build,
     print_generation,
     print_inspection,
     verify_table,
 )
 from adapterpack.config.devices import DEVICES, find_device
-from adapterpack.config.manifest import load_manifest, manifest_json_schema
+from adapterpack.config.manifest import PACKAGE_FORMATS, load_manifest, manifest_json_schema
 from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
 from adapterpack.inputs.checked import check_inputs, check_state_sizes
+from adapterpack.mlpackage.aimodel import is_asset
 from adapterpack.mlpackage.functions import read_functions
 from adapterpack.release.artifacts import release as run_release
+from adapterpack.report.asset import inspect_asset
 from adapterpack.report.inspect import inspect_package
 from adapterpack.report.memory import budget_rows, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
@@ -92,6 +95,14 @@ StrictOption = Annotated[
     ),
 ]
 BackendOption = Annotated[str, typer.Option("--backend", help="Verification backend: numpy (any OS) or coreml (macOS)")]
+FormatOption = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        help="Package format: mlpackage (Core ML, iOS/macOS 18+) or aimodel (Core AI, iOS/macOS 27+); "
+        "default: the output's suffix, else the manifest's export.format",
+    ),
+]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")]
 CacheDirOption = Annotated[
     Path | None,
@@ -104,8 +115,9 @@ NoCacheOption = Annotated[bool, typer.Option("--no-cache", help="Rebuild every f
 def build(
     manifest: ManifestArg,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Output .mlpackage (overrides the manifest's `output`)")
+        Path | None, typer.Option("--output", "-o", help="Output .mlpackage or .aimodel (overrides the manifest's `output`)")
     ] = None,
+    package_format: FormatOption = None,
     force: ForceOption = False,
     allow_pickle: AllowPickleOption = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verifying every function against PyTorch")] = False,
@@ -121,7 +133,7 @@ def build(
     ] = None,
     quiet: QuietOption = False,
 ) -> None:
-    """Build one multifunction .mlpackage from a manifest, then verify it (exit 3 if it does not match).
+    """Build one multifunction .mlpackage (or Core AI .aimodel) from a manifest, then verify it (exit 3 if it does not match).
 
     Unchanged functions are reused from the build cache. For one CI job per adapter, build parts
     with `--function NAME --parts DIR` and merge them with `adapterpack merge DIR -o PKG`.
@@ -134,7 +146,7 @@ def build(
         _check_backend(backend)
         options = BuildOptions(
             force=force, allow_pickle=allow_pickle, strict=strict, verify=not no_verify, backend=backend,
-            cache_dir=cache_dir, use_cache=not no_cache,
+            cache_dir=cache_dir, use_cache=not no_cache, package_format=_check_format(package_format),
         )
         if (function is None) != (parts is None):
             raise BadInput("--function and --parts go together (build one function's part for `adapterpack merge`)")
@@ -170,6 +182,12 @@ def merge(
         options = BuildOptions(force=force, strict=strict, backend=backend)
         result = merge_from_parts(parts_dir, output, manifest=manifest, options=options, reporter=ConsoleReporter(quiet))
         print_build(result)
+
+
+def _check_format(package_format: str | None) -> str | None:
+    if package_format is not None and package_format not in PACKAGE_FORMATS:
+        raise BadInput(f"--format {package_format!r}: choose {' or '.join(PACKAGE_FORMATS)}")
+    return package_format
 
 
 def _check_backend(backend: str) -> None:
@@ -293,6 +311,7 @@ def eval_command(
 def release(
     manifest: ManifestArg,
     out_dir: Annotated[Path, typer.Option("--out-dir", "-d", help="Release folder, e.g. dist/")],
+    package_format: FormatOption = None,
     force: ForceOption = False,
     allow_pickle: AllowPickleOption = False,
     backend: BackendOption = "numpy",
@@ -313,7 +332,8 @@ def release(
 
         _check_backend(backend)
         options = BuildOptions(
-            force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir, use_cache=not no_cache
+            force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir, use_cache=not no_cache,
+            package_format=_check_format(package_format),
         )
         result = run_release(
             manifest, out_dir, options=options, reporter=ConsoleReporter(quiet),
@@ -422,7 +442,7 @@ def functions(
 
 @app.command()
 def inspect(
-    package: Annotated[Path, typer.Argument(help="A .mlpackage, e.g. build/demo.mlpackage", show_default=False)],
+    package: Annotated[Path, typer.Argument(help="A .mlpackage or .aimodel, e.g. build/demo.mlpackage", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
     top: Annotated[int, typer.Option("--top", min=0, help="How many of the largest tensors to list")] = 10,
     device: Annotated[
@@ -446,7 +466,7 @@ def inspect(
     with error_boundary():
 
         devices = [find_device(device)] if device else list(DEVICES)
-        report = inspect_package(package)
+        report = inspect_asset(package) if is_asset(package) else inspect_package(package)
         estimate = memory_estimate(report)
         budget = budget_rows(report, estimate, devices)
         if as_json:
@@ -461,6 +481,8 @@ def inspect(
                 "devices": budget,
             }
             print(json.dumps(document, indent=2))
+        elif is_asset(package):
+            print_asset_inspection(report, estimate, budget)
         else:
             print_inspection(report, estimate, budget, top)
         if strict and report.device_findings:

@@ -205,25 +205,20 @@ def verify_table(report) -> Table:
 def print_build(result) -> None:
     """The build summary: functions, sizes, reuse, and the verification table."""
     table = Table(title=f"{result.output}", title_justify="left")
-    for column in ("function", "adapter", "lora", "compression", "alone"):
+    # An .aimodel is written whole: there are no parts whose size alone could be shown.
+    columns = ("function", "adapter", "lora", "compression") + (("alone",) if result.part_sizes else ())
+    for column in columns:
         table.add_column(column)
     for record in result.functions:
         default = " (default)" if record.name == result.default_function else ""
-        table.add_row(
-            record.name + default,
-            record.adapter or "(base)",
-            record.lora or "-",
-            record.compression,
-            human_size(result.part_sizes.get(record.name, 0)),
-        )
+        row = [record.name + default, record.adapter or "(base)", record.lora or "-", record.compression]
+        if result.part_sizes:
+            row.append(human_size(result.part_sizes.get(record.name, 0)))
+        table.add_row(*row)
     out.print(table)
-    alone = sum(result.part_sizes.values())
+    alone = f" (functions built alone: {human_size(sum(result.part_sizes.values()))})" if result.part_sizes else ""
     reused = f"; reused from cache: {', '.join(result.reused)}" if getattr(result, "reused", None) else ""
-    out.print(
-        f"package {human_size(result.package_size)} (functions built alone: {human_size(alone)}) "
-        f"in {result.seconds:.0f} s{reused}",
-        highlight=False,
-    )
+    out.print(f"package {human_size(result.package_size)}{alone} in {result.seconds:.0f} s{reused}", highlight=False)
     if result.verify_report is not None:
         out.print(verify_table(result.verify_report))
         out.print(result.verify_report.verdict(), highlight=False)
@@ -289,10 +284,14 @@ def print_inspection(report, estimate, budget: list[dict], top: int) -> None:
 
     for finding in report.device_findings:
         out.print(f"[yellow]warning[/]: {finding.line()}", highlight=False)
+    print_budget(report.shape, estimate, budget)
+
+
+def print_budget(shape, estimate, budget: list[dict]) -> None:
+    """The memory estimate of the heaviest function and the per-device budget table."""
     if estimate is None:
         out.print("memory budget: no keyCache state in this package, so no KV-cache size to estimate", highlight=False)
         return
-    shape = report.shape
     activations = f"{human_size(estimate.activation_bytes)}" if estimate.activations_known else "unknown (no vocab/hidden)"
     out.print(
         f"model: {shape.n_layers} layers, {shape.n_kv_heads} kv heads x {shape.head_dim}, max_context "
@@ -327,3 +326,29 @@ def print_inspection(report, estimate, budget: list[dict], top: int) -> None:
     )
     for index, row in enumerate(budget, start=1):
         out.print(f"[{index}] {row['source']}", highlight=False, markup=False)
+
+
+def print_asset_inspection(report, estimate, budget: list[dict]) -> None:
+    """``inspect`` of a Core AI ``.aimodel``: entry points, storage, memory budget."""
+    out.print(
+        f"{report.path}: Core AI asset, {len(report.functions)} entry point(s) (default {report.default_function}), "
+        f"{human_size(report.total_bytes)} on disk (program {human_size(report.program_bytes)}; constants "
+        "with identical bytes are stored once)",
+        highlight=False,
+    )
+    table = Table(title="entry points", title_justify="left")
+    for column in ("function", "adapter", "lora", "compression", "states"):
+        table.add_column(column)
+    for f in report.functions:
+        table.add_row(
+            f.name + (" (default)" if f.default else ""), f.adapter or "(base)", f.lora or "-", f.compression,
+            "; ".join(f.signature["states"]),
+        )
+    out.print(table)
+    signature = report.functions[0].signature
+    out.print(f"inputs: {'; '.join(signature['inputs'])}; outputs: {'; '.join(signature['outputs'])}", highlight=False)
+    stored = ", ".join(f"{kind} {count:,}" for kind, count in report.storage_elements.items())
+    ops = ", ".join(f"{method} {count}" for method, count in report.compressed_ops.items() if count)
+    out.print(f"stored elements by type: {stored}", highlight=False)
+    out.print(f"decompressing ops (all entry points): {ops or 'none (float16 weights)'}", highlight=False)
+    print_budget(report.shape, estimate, budget)

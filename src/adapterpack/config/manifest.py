@@ -151,7 +151,19 @@ class Adapter(_Strict):
         return check_function_name(value)
 
 
+PackageFormat = Literal["mlpackage", "aimodel"]
+PACKAGE_FORMATS: tuple[str, ...] = ("mlpackage", "aimodel")
+
+
+def format_of(path: str | Path) -> str | None:
+    """The package format a path's suffix names (``.mlpackage``/``.aimodel``), or None."""
+    suffix = Path(path).suffix.lstrip(".")
+    return suffix if suffix in PACKAGE_FORMATS else None
+
+
 class Export(_Strict):
+    """How functions are exported: cache length, OS, package format."""
+
     # At least 2: swift-transformers sends a mask one slot wider than the tokens it holds.
     max_context: Annotated[StrictInt, Field(ge=2, le=MAX_CONTEXT_LIMIT)] | Literal["auto"] = Field(
         default=512,
@@ -161,9 +173,18 @@ class Export(_Strict):
         default=None, description="Device whose app memory limit `max_context: auto` fits (adapterpack inspect lists them)"
     )
     deployment_target: Literal[DEPLOYMENT_TARGETS] = "iOS18"  # type: ignore[valid-type]
+    format: PackageFormat = Field(
+        default="mlpackage",
+        description="mlpackage: Core ML, iOS/macOS 18+ (default); aimodel: Core AI, iOS/macOS 27+ (needs the [coreai] extra)",
+    )
+    compute_precision: Literal["float16", "float32"] = Field(
+        default="float16",
+        description="Activations and matrix products (aimodel only: float32 keeps weights and states as stored, computes in float32)",
+    )
 
     @model_validator(mode="after")
     def _auto_needs_device(self) -> Export:
+        self.check_precision()
         if self.max_context == "auto" and not self.target_device:
             raise ValueError("max_context: auto needs target_device (e.g. iphone-15)")
         if self.target_device:
@@ -173,6 +194,10 @@ class Export(_Strict):
             except BadInput as error:
                 raise ValueError(f"target_device: {error}") from None
         return self
+
+    def check_precision(self) -> None:
+        if self.compute_precision == "float32" and self.format != "aimodel":
+            raise ValueError("compute_precision float32 applies to format aimodel (a .mlpackage computes in float16)")
 
 
 # Verification thresholds by compression, chosen from measurements on the demo package (README,
@@ -237,7 +262,9 @@ class Manifest(_Strict):
         description="Compression of the LoRA A/B matrices in `lora: keep` functions (default: float16)",
     )
     verify: VerifySettings = VerifySettings()
-    output: StrictStr | None = Field(default=None, description="Output .mlpackage (default build/<name>.mlpackage)")
+    output: StrictStr | None = Field(
+        default=None, description="Output .mlpackage or .aimodel (default build/<name>.<export.format>)"
+    )
 
     # Set by load_manifest; not part of the YAML format.
     source: Annotated[Path | None, Field(exclude=True)] = None
@@ -274,6 +301,9 @@ class Manifest(_Strict):
         for adapter in self.adapters:
             if adapter.compression is not None:
                 self.compression_for(adapter.name)  # raises ValueError with the reason
+        named = format_of(self.output) if self.output else None
+        if named is not None and named != self.export.format:
+            raise ValueError(f"output '{self.output}' is a .{named} but export.format is {self.export.format}")
         return self
 
     @property
@@ -320,12 +350,25 @@ class Manifest(_Strict):
             where = ".".join(str(p) for p in first["loc"])
             raise ValueError(f"adapter '{name}' compression{'.' + where if where else ''}: {first['msg']}") from None
 
-    def output_path(self, override: str | Path | None = None) -> Path:
+    def output_path(self, override: str | Path | None = None, package_format: str | None = None) -> Path:
+        """Where the build writes: ``override``, else the manifest's ``output``, else
+        ``build/<name>.<format>``; ``package_format`` (``--format``) replaces the format."""
         if override is not None:
             return Path(override).expanduser().resolve()
         if self.output is not None:
-            return (self.folder / Path(self.output).expanduser()).resolve()
-        return (self.folder / "build" / f"{self.name}.mlpackage").resolve()
+            path = (self.folder / Path(self.output).expanduser()).resolve()
+            return path.with_suffix(f".{package_format}") if package_format and format_of(path) else path
+        return (self.folder / "build" / f"{self.name}.{package_format or self.export.format}").resolve()
+
+    def with_format(self, package_format: str) -> Manifest:
+        """This manifest writing ``package_format`` (the command line's ``--format``)."""
+        if package_format == self.export.format:
+            return self
+        output = self.output
+        if output is not None and format_of(output):
+            output = str(Path(output).with_suffix(f".{package_format}"))
+        export = self.export.model_copy(update={"format": package_format})
+        return self.model_copy(update={"export": export, "output": output})
 
 
 def check_function_name(value: str) -> str:

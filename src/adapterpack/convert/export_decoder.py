@@ -110,8 +110,11 @@ def rope_tables(hf_model, shape: DecoderShape, max_context: int) -> tuple[torch.
 class ExportDecoder(nn.Module):
     """Stateful decoder forward: ``(inputIds, causalMask) -> logits``, cache in buffers."""
 
-    def __init__(self, hf_model, max_context: int, cache_dtype: torch.dtype = torch.float16):
+    def __init__(
+        self, hf_model, max_context: int, cache_dtype: torch.dtype = torch.float16, logits_dtype: torch.dtype | None = None
+    ):
         super().__init__()
+        self.logits_dtype = logits_dtype  # the contract's output type when computing in another
         self.shape = DecoderShape.from_config(hf_model.config)
         self.max_context = int(max_context)
         self.hf = hf_model
@@ -201,4 +204,5 @@ class ExportDecoder(nn.Module):
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = body.norm(hidden)
-        return self.hf.lm_head(hidden)
+        logits = self.hf.lm_head(hidden)
+        return logits if self.logits_dtype is None else logits.to(self.logits_dtype)

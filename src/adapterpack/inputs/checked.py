@@ -6,7 +6,7 @@ device rules on the state sizes the export will have.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE, cache_length_findings
@@ -27,6 +27,10 @@ class CheckedInputs:
     manifest: Manifest
     base: BaseInfo
     adapters: dict[str, AdapterInfo]  # by function name
+
+    def with_format(self, package_format: str) -> CheckedInputs:
+        """The same inputs, the manifest writing ``package_format`` (mlpackage | aimodel)."""
+        return replace(self, manifest=self.manifest.with_format(package_format))
 
 
 def check_inputs(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapterpack.errors import BadInput
+from adapterpack.mlpackage import aimodel
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
 
 _DTYPES = {65568: "float32", 65552: "float16", 131104: "int32", 65600: "float64"}
@@ -59,10 +60,12 @@ def _array_feature(description) -> Feature:
 
 
 def read_functions(package: str | Path) -> PackageFunctions:
-    """Functions, default function and metadata of a ``.mlpackage`` (or ``.mlmodel``)."""
+    """Functions, default function and metadata of a ``.mlpackage`` (or ``.mlmodel``, ``.aimodel``)."""
     path = Path(package)
     if not path.exists():
         raise BadInput(f"{path}: package not found")
+    if aimodel.is_asset(path):
+        return _asset_functions(path)
     # The spec alone, read without importing coremltools' converters (and with them torch).
     spec = load_spec_file(spec_path(path) if path.is_dir() else path)
     description = spec.description
@@ -89,4 +92,23 @@ def read_functions(package: str | Path) -> PackageFunctions:
         )
         default = "main"
     metadata = dict(description.metadata.userDefined)
+    return PackageFunctions(path=path, functions=functions, default=default, metadata=metadata)
+
+
+def _asset_functions(path: Path) -> PackageFunctions:
+    """A Core AI asset's entry points, read with coreai-core; its default from our metadata."""
+    summary = aimodel.asset_summary(path)
+    functions = [
+        FunctionInfo(
+            name=name,
+            inputs=[Feature(*aimodel.feature_of(*item)) for item in summary.function_inputs(name)],
+            outputs=[Feature(*aimodel.feature_of(*item)) for item in summary.function_outputs(name)],
+            states=[Feature(*aimodel.feature_of(*item)) for item in summary.function_states(name)],
+        )
+        for name in summary.function_names
+    ]
+    if not functions:
+        raise BadInput(f"{path}: the asset has no entry points")
+    metadata = aimodel.asset_metadata(path)
+    default = metadata.get("co.adapterpack.defaultFunction") or functions[0].name
     return PackageFunctions(path=path, functions=functions, default=default, metadata=metadata)

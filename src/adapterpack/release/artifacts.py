@@ -17,12 +17,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.build.pipeline import build
+from adapterpack.build.aimodel import coreai_versions
+from adapterpack.build.pipeline import build, chosen_format
 from adapterpack.build.records import BuildOptions, BuildResult, Reporter
 from adapterpack.build.staging import Staging
 from adapterpack.errors import OutOfResources, OutputExists
 from adapterpack.inputs.checked import check_inputs
 from adapterpack.inputs.safetensors import sha256_files
+from adapterpack.mlpackage.aimodel import is_asset
 from adapterpack.mlpackage.metadata import library_versions
 
 log = logging.getLogger(__name__)
@@ -107,14 +109,17 @@ def release(
     reporter = reporter or Reporter()
     out_dir = Path(out_dir).resolve()
     checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
+    package_format = chosen_format(checked.manifest, None, options.package_format)
+    checked = checked.with_format(package_format)
     name = checked.manifest.name
+    package_name = f"{name}.{package_format}"
     if bundle:
         check_tokenizer_files(checked)
     if eval_text is not None:
         from adapterpack.evaluate.text import read_text_file
 
         read_text_file(eval_text)  # a bad text file is bad input before anything is built
-    targets = [out_dir / f"{name}.mlpackage.zip", out_dir / BUILD_INFO, out_dir / SUMS]
+    targets = [out_dir / f"{package_name}.zip", out_dir / BUILD_INFO, out_dir / SUMS]
     bundle_target = out_dir / name
     existing = [t for t in [*targets, bundle_target] if t.exists()]
     if existing and not options.force:
@@ -123,7 +128,7 @@ def release(
     check_disk_space(out_dir, required_disk_bytes(checked))
 
     with Staging(out_dir / f"{name}.release") as staging:
-        package = staging.folder / f"{name}.mlpackage"
+        package = staging.folder / package_name
         # A release is always verified, and built afresh in staging.
         build_options = dataclasses.replace(options, force=True, verify=True)
         result = build(checked, output=package, options=build_options, reporter=reporter)
@@ -142,7 +147,7 @@ def release(
                 bundle_files = write_bundle(staging.folder / name, checked, result, package, eval_report=evaluated)
         info = build_info(checked, result, zip_path)
         info["bundle"] = bundle_files or None
-        info["eval"] = evaluated.as_json() | {"package": f"{name}.mlpackage", "text": Path(eval_text).name} if evaluated else None
+        info["eval"] = evaluated.as_json() | {"package": package_name, "text": Path(eval_text).name} if evaluated else None
         info_path = staging.folder / BUILD_INFO
         info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         sums_path = staging.folder / SUMS
@@ -188,8 +193,8 @@ def build_info(checked, result: BuildResult, zip_path: Path) -> dict:
         "functions": [r.name for r in result.functions],
         "default_function": result.default_function,
         "compression": {r.name: r.compression for r in result.functions},
-        "versions": library_versions(),
-        "verify": report.as_json() | {"package": f"{manifest.name}.mlpackage"} if report is not None else None,
+        "versions": coreai_versions(library_versions()) if is_asset(result.output) else library_versions(),
+        "verify": report.as_json() | {"package": result.output.name} if report is not None else None,
         "sizes": {
             "package_bytes": result.package_size,
             "zip_bytes": zip_path.stat().st_size,

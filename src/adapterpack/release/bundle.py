@@ -23,6 +23,7 @@ from pathlib import Path
 from adapterpack.build.parts import place
 from adapterpack.errors import BadInput
 from adapterpack.inputs.safetensors import sha256_files
+from adapterpack.mlpackage.aimodel import is_asset
 from adapterpack.mlpackage.functions import read_functions
 from adapterpack.report.memory import human_size
 from adapterpack.report.swift import swift_case_name, swift_enum
@@ -75,27 +76,37 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
 def model_card(checked, result, package_name: str, tokenizer_files: list[str], hashes: dict[str, str],
                bundle_name: str, eval_report=None) -> str:
     """The bundle's README.md: a Hugging Face model card (YAML front matter, then Markdown)."""
+    from adapterpack.build.aimodel import coreai_versions
     from adapterpack.config.devices import DEVICES
     from adapterpack.mlpackage.metadata import library_versions
+    from adapterpack.report.asset import inspect_asset
     from adapterpack.report.inspect import inspect_package
     from adapterpack.report.memory import budget_rows, memory_estimate
 
     manifest = checked.manifest
+    asset = is_asset(package_name)
     hub_name = manifest.base.tokenizer or checked.base.config.get("_name_or_path") or manifest.base.path
     lines = [
         "---",
-        "library_name: coreml",
+        f"library_name: {'coreai' if asset else 'coreml'}",
         f"base_model: {hub_name}",
         "pipeline_tag: text-generation",
-        "tags: [coreml, lora, adapterpack, ios, macos]",
+        f"tags: [{'coreai' if asset else 'coreml'}, lora, adapterpack, ios, macos]",
         "---",
         "",
         f"# {manifest.name}",
         "",
-        f"One Core ML ML Program, `{package_name}` ({manifest.export.deployment_target}+), with one function per LoRA "
-        f"adapter over the base `{hub_name}` and a stateful KV-cache of {manifest.export.max_context} positions. "
-        "An app picks the function when it loads the model (`MLModelConfiguration.functionName`); weights the "
-        "functions share are stored once. Built and verified by adapterpack.",
+        (
+            f"One Core AI asset, `{package_name}` (iOS/macOS 27+), with one entry point per LoRA adapter over the base "
+            f"`{hub_name}` and a stateful KV-cache of {manifest.export.max_context} positions. An app loads the entry "
+            "point it needs (`AIModel.loadFunction(named:)`); weights the entry points share are stored once. Built and "
+            "verified by adapterpack (with Core AI's own runtime)."
+            if asset
+            else f"One Core ML ML Program, `{package_name}` ({manifest.export.deployment_target}+), with one function per LoRA "
+            f"adapter over the base `{hub_name}` and a stateful KV-cache of {manifest.export.max_context} positions. "
+            "An app picks the function when it loads the model (`MLModelConfiguration.functionName`); weights the "
+            "functions share are stored once. Built and verified by adapterpack."
+        ),
         "",
         "## Functions",
         "",
@@ -146,7 +157,7 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
                 lines.append(
                     f"| `{f.function}` | {f.perplexity:.3f} | {f.reference_perplexity:.3f} | {f.ratio:.3f} | {f.top1_agreement:.1%} |"
                 )
-    inspection = inspect_package(Path(result.output))
+    inspection = inspect_asset(Path(result.output)) if asset else inspect_package(Path(result.output))
     estimate = memory_estimate(inspection)
     rows = budget_rows(inspection, estimate, list(DEVICES)) if estimate is not None else []
     if rows:
@@ -169,31 +180,8 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
                 f"{'yes' if row['fits'] else 'no'} | {'-' if headroom < 0 else human_size(headroom)} |"
             )
     first = result.functions[0].name
+    lines += swift_usage(asset, package_name, bundle_name, first, tokenizer_files, manifest.export.max_context)
     lines += [
-        "",
-        "## Use from Swift",
-        "",
-        f"Add the folder to the app (Xcode compiles `{package_name}` to `.mlmodelc`) and "
-        "[swift-transformers](https://github.com/huggingface/swift-transformers) for the tokenizer, which loads from "
-        f"the bundled files{' (' + ', '.join(tokenizer_files) + ')' if tokenizer_files else ''}:",
-        "",
-        "```swift",
-        "import CoreML",
-        "import Tokenizers",
-        "",
-        f"let folder = Bundle.main.url(forResource: \"{bundle_name}\", withExtension: nil)!",
-        "let config = MLModelConfiguration()",
-        f"config.functionName = {SWIFT_TYPE}.{swift_case_name(first)}.rawValue   // {SWIFT_TYPE}.swift",
-        f"let modelURL = Bundle.main.url(forResource: \"{Path(package_name).stem}\", withExtension: \"mlmodelc\")!",
-        "let model = try await MLModel.load(contentsOf: modelURL, configuration: config)",
-        "let tokenizer = try await AutoTokenizer.from(modelFolder: folder)",
-        "let state = model.makeState()",
-        "```",
-        "",
-        f"Each call takes `inputIds` (Int32, 1 x n) and `causalMask` (Float16, 1 x 1 x n x end) and updates the "
-        f"function's states (its KV-cache); swift-transformers' `LanguageModelWithStatefulKVCache` makes these calls. "
-        f"Prefill with the prompt, then one token per call, at most {manifest.export.max_context - 1} tokens in all.",
-        "",
         "## Files",
         "",
         "| file | sha256 |",
@@ -201,7 +189,7 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
     ]
     for path, digest in hashes.items():
         lines.append(f"| `{path.split('/', 1)[1]}` | `{digest}` |")
-    versions = library_versions()
+    versions = coreai_versions(library_versions()) if asset else library_versions()
     lines += [
         "",
         "## Provenance",
@@ -213,3 +201,47 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
         "",
     ]
     return "\n".join(lines)
+
+
+def swift_usage(asset: bool, package_name: str, bundle_name: str, first: str, tokenizer_files: list[str], max_context: int) -> list[str]:
+    """The model card's "Use from Swift" section for either format."""
+    tokenizer = (
+        "[swift-transformers](https://github.com/huggingface/swift-transformers) for the tokenizer, which loads from "
+        f"the bundled files{' (' + ', '.join(tokenizer_files) + ')' if tokenizer_files else ''}"
+    )
+    contract = (
+        f"Each call takes `inputIds` (Int32, 1 x n) and `causalMask` (Float16, 1 x 1 x n x end) and updates the "
+        f"function's states (its KV-cache). Prefill with the prompt, then one token per call, at most {max_context - 1} "
+        "tokens in all."
+    )
+    stem = Path(package_name).stem
+    if asset:
+        code = [
+            "import CoreAI",
+            "import Tokenizers",
+            "",
+            f"let folder = Bundle.main.url(forResource: \"{bundle_name}\", withExtension: nil)!",
+            f"let model = try await AIModel(contentsOf: folder.appending(path: \"{package_name}\"))",
+            f"let function = try model.loadFunction(named: {SWIFT_TYPE}.{swift_case_name(first)}.rawValue)!   // {SWIFT_TYPE}.swift",
+            "let tokenizer = try await AutoTokenizer.from(modelFolder: folder)",
+            "// States keyCache, valueCache, writtenSlots: zero-filled, shaped as function.descriptor says; each",
+            "// run(inputs:states:) reads and updates them.",
+            "let outputs = try await function.run(inputs: [\"inputIds\": ids, \"causalMask\": mask], states: states)",
+        ]
+        lead = f"Add the folder to the app and {tokenizer}:"
+    else:
+        code = [
+            "import CoreML",
+            "import Tokenizers",
+            "",
+            f"let folder = Bundle.main.url(forResource: \"{bundle_name}\", withExtension: nil)!",
+            "let config = MLModelConfiguration()",
+            f"config.functionName = {SWIFT_TYPE}.{swift_case_name(first)}.rawValue   // {SWIFT_TYPE}.swift",
+            f"let modelURL = Bundle.main.url(forResource: \"{stem}\", withExtension: \"mlmodelc\")!",
+            "let model = try await MLModel.load(contentsOf: modelURL, configuration: config)",
+            "let tokenizer = try await AutoTokenizer.from(modelFolder: folder)",
+            "let state = model.makeState()",
+        ]
+        lead = f"Add the folder to the app (Xcode compiles `{package_name}` to `.mlmodelc`) and {tokenizer}:"
+        contract += " swift-transformers' `LanguageModelWithStatefulKVCache` makes these calls."
+    return ["", "## Use from Swift", "", lead, "", "```swift", *code, "```", "", contract, ""]

@@ -13,6 +13,7 @@ from pathlib import Path
 from adapterpack.config.manifest import Manifest
 from adapterpack.errors import BadInput
 from adapterpack.inputs.checked import check_inputs
+from adapterpack.mlpackage import aimodel
 from adapterpack.mlpackage.digest import function_digests
 from adapterpack.mlpackage.functions import read_functions
 from adapterpack.mlpackage.metadata import weights_digest
@@ -20,7 +21,7 @@ from adapterpack.verify.executor import DeclaredTypeMismatch
 from adapterpack.verify.metrics import compare_logits, retention
 from adapterpack.verify.reference import reference_logits
 from adapterpack.verify.reports import FunctionReport, VerifyReport
-from adapterpack.verify.runners import Backend, drive_runner
+from adapterpack.verify.runners import CORE_AI_BACKEND, Backend, drive_runner
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ def verify_package(
     checked = checked or check_inputs(manifest)
     manifest = checked.manifest
     settings = manifest.verify
+    asset = aimodel.is_asset(package)
+    # An .aimodel runs on Core AI's own runtime, here on the CPU: no other backend applies.
+    backend = CORE_AI_BACKEND if asset else backend
     report = VerifyReport(package=package, backend=backend, functions=[])
 
     expected = manifest.function_names
@@ -58,10 +62,15 @@ def verify_package(
             f"package functions {listing.names} differ from the manifest's {expected}"
         )
         return report
-    recorded = listing.metadata.get("co.adapterpack.weightsSha256")
-    if recorded and recorded != weights_digest(package):
-        report.integrity.append("weight blob differs from the one written at build time (file altered?)")
-
+    if asset:
+        if not aimodel.program_intact(package):
+            report.integrity.append(f"{aimodel.PROGRAM_FILE} differs from the digest written beside it (file altered?)")
+        # One program holds every entry point: its digest stands for each function's bytes.
+        digests = dict.fromkeys(expected, aimodel.program_digest(package))
+    else:
+        recorded = listing.metadata.get("co.adapterpack.weightsSha256")
+        if recorded and recorded != weights_digest(package):
+            report.integrity.append("weight blob differs from the one written at build time (file altered?)")
     digests = digests or function_digests(package)
     reuse = {name: found for name, found in (reuse or {}).items() if found.digest == digests.get(name)}
     if all(name in reuse for name in expected):

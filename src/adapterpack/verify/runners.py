@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 from adapterpack.errors import BadInput
-from adapterpack.quiet import captured_output, import_coremltools
+from adapterpack.mlpackage import aimodel
+from adapterpack.quiet import captured_output, import_coremltools, native_output_captured
 from adapterpack.verify.drives import Predict, run_drives
 from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
 
@@ -19,12 +21,16 @@ log = logging.getLogger(__name__)
 
 
 Backend = Literal["numpy", "coreml"]
+# What runs an .aimodel, whatever --backend says: Apple's Core AI runtime (on the CPU off device).
+CORE_AI_BACKEND = "coreai-cpu"
 
 
 def function_sessions(package: Path, backend: Backend = "numpy") -> Callable[[str], Callable[[], Predict]]:
     """``open(function)`` loads one function (dropping the one loaded before, so a runner holds
     one function's weights, not the package's) and returns ``new_session()``: a predict bound to
     a fresh state, what ``makeState()`` gives a client."""
+    if aimodel.is_asset(package):
+        return _coreai_sessions(package)
     if backend == "coreml":
         return _coreml_sessions(package)
     loaded: dict[str, ProgramExecutor] = {}
@@ -65,9 +71,71 @@ def _coreml_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
     return open_function
 
 
+class _CoreAIRuntime:
+    """One asset loaded on Core AI's runtime, driven synchronously: its API is async, so one event
+    loop serves every call; the model is released when nothing refers to this any more."""
+
+    def __init__(self, package: Path):
+        import asyncio
+
+        from coreai.authoring.asset import AIModelAsset
+
+        self.loop = asyncio.new_event_loop()
+        opened = AIModelAsset.load(package).executable()
+        with native_output_captured():  # the runtime prints a line per model and function it loads
+            self.model = self.loop.run_until_complete(opened.__aenter__())
+        weakref.finalize(self, _close_asset, self.loop, opened)
+
+    def load(self, function: str):
+        with native_output_captured():
+            return self.model.load_function(function)
+
+    def run(self, call):
+        return self.loop.run_until_complete(call)
+
+
+def _close_asset(loop, opened) -> None:
+    loop.run_until_complete(opened.__aexit__(None, None, None))
+    loop.close()
+
+
+def _coreai_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
+    """Entry points of a Core AI asset on Core AI's runtime (the CPU off Apple devices)."""
+    import numpy as np
+
+    summary = aimodel.asset_summary(package)  # BadInput without the [coreai] extra or for a broken asset
+    from coreai.runtime import NDArray
+
+    runtime = _CoreAIRuntime(package)
+    shapes = {
+        name: {state: aimodel.shape_of(signature) for state, signature in summary.function_states(name)}
+        for name in summary.function_names
+    }
+
+    def open_function(function: str) -> Callable[[], Predict]:
+        entry = runtime.load(function)
+
+        def new_session() -> Predict:
+            # What makeState() gives a client: every state zero.
+            state = {name: NDArray(np.zeros(shape, np.float16)) for name, shape in shapes[function].items()}
+
+            def predict(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+                inputs = {
+                    "inputIds": NDArray(np.ascontiguousarray(ids, np.int32)),
+                    "causalMask": NDArray(np.ascontiguousarray(mask, np.float16)),
+                }
+                return runtime.run(entry(inputs, state=state))["logits"].numpy()
+
+            return predict
+
+        return new_session
+
+    return open_function
+
+
 def drive_runner(package: Path, backend: Backend = "numpy"):
     """``run(function, tokens, prefill)``: every drive's logits, each drive through a fresh state."""
-    if backend == "numpy":
+    if backend == "numpy" and not aimodel.is_asset(package):
         # A program the executor cannot read fails here, as the package, before any function runs.
         ProgramExecutor.function_names_of(package)
     sessions = function_sessions(package, backend)

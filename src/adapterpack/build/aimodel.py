@@ -1,0 +1,107 @@
+"""The second writer: every function of a manifest into one Core AI ``.aimodel``.
+
+Shares everything before the writing with the ``.mlpackage`` build (manifest, checked inputs,
+fusing with peft, the export wrapper, the palettes and their cache) and everything after it
+(verification, metadata). What differs is the converter: all functions go through one Core AI
+converter session (``convert.coreai.AssetSession``), each compressed in torch
+(``compress.coreai_weights``), the base's compressed weights made once and shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from adapterpack.build.builder import check_float16_range
+from adapterpack.build.parts import PartRecord
+from adapterpack.build.records import FunctionRecord, Reporter
+from adapterpack.inputs.checked import CheckedInputs, hf_name
+from adapterpack.mlpackage.metadata import METADATA_PREFIX, package_metadata
+
+log = logging.getLogger(__name__)
+
+
+def coreai_versions(versions: dict[str, str]) -> dict[str, str]:
+    """``versions`` plus the Core AI libraries that shape an asset's bytes."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = dict(versions)
+    found.pop("coremltools", None)
+    for package in ("coreai-core", "coreai-torch"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "unknown"
+    return found
+
+
+def model_sizes(config: dict) -> dict[str, int | None]:
+    """vocab, hidden, heads and MLP width of the base (config.json)."""
+    return {
+        "vocab": config.get("vocab_size"),
+        "hidden": config.get("hidden_size"),
+        "n_heads": config.get("num_attention_heads"),
+        "intermediate": config.get("intermediate_size"),
+    }
+
+
+def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cache=None) -> list[FunctionRecord]:
+    """Write ``target`` (a ``.aimodel``): one entry point per function of ``checked``'s manifest."""
+    from adapterpack.build.cache import FolderPalettes
+    from adapterpack.compress.coreai_weights import CoreAIWeights
+    from adapterpack.compress.palettes import PaletteStore
+    from adapterpack.convert.base_model import load_base, stored_weight_reader
+    from adapterpack.convert.coreai import AssetSession
+    from adapterpack.convert.lora import applied_adapter
+
+    manifest = checked.manifest
+    names = manifest.function_names
+    session = AssetSession(max_context=manifest.export.max_context, compute=manifest.export.compute_precision)
+    scratch = target.parent / f".{target.stem}.palettes"
+    palettes = PaletteStore(cache.palette_files() if cache is not None else FolderPalettes(scratch))
+    weights = CoreAIWeights(palettes)
+    name_for_client = hf_name(checked)
+    records = {name: PartRecord.for_function(checked, name, name_for_client) for name in names}
+    try:
+        with reporter.stage("check that the weights fit float16"):
+            check_float16_range(checked, names, cache)
+        with reporter.stage(f"load base {manifest.base.path}"):
+            base = load_base(checked.base.folder, dtype="float16")
+        original_weight = stored_weight_reader(checked.base)
+        for name in names:
+            adapter = manifest.adapter(name)
+            mode = manifest.lora_mode(name) if adapter is not None else None
+            compression = manifest.compression_for(name)
+            applied = (
+                applied_adapter(
+                    base, checked.adapters[name].folder, mode=mode, scale=float(adapter.scale), original_weight=original_weight
+                )
+                if adapter is not None
+                else contextlib.nullcontext(base)
+            )
+            with reporter.stage(f"{name}: compress ({compression.describe()}) and export"):
+                with applied as model, weights.compressed(model, compression, manifest.lora_compression if mode == "keep" else None):
+                    session.add(name, model)
+        del base
+        log.debug("compressed weights: %d made, %d shared with an earlier function", weights.compressed_count, weights.reused_count)
+        first = records[names[0]]
+        metadata = package_metadata(
+            hf_name=first.base["hf_name"],
+            manifest_name=manifest.name,
+            functions={name: records[name].function_record().as_metadata() for name in names},
+            default_function=manifest.default,
+            max_context=first.max_context,
+            base={k: first.base[k] for k in ("source", "revision", "sha256")},
+            versions=coreai_versions(first.versions),
+        )
+        # What `inspect` needs for the activations estimate, which a .mlpackage reads from its program.
+        metadata[METADATA_PREFIX + "shape"] = json.dumps(model_sizes(checked.base.config), sort_keys=True)
+        description = f"{manifest.name}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"
+        with reporter.stage(f"convert {len(names)} function(s) to one Core AI program"):
+            session.save(target, metadata=metadata, description=description)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return [records[name].function_record() for name in names]

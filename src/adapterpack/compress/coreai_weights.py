@@ -1,0 +1,191 @@
+"""Compress a torch model's weights the way a Core AI asset stores them, before it is exported.
+
+coreai-torch lowers three custom ops to Core AI's compressed constants: ``coreai::lut_to_dense``
+(palettized), ``coreai::constexpr_blockwise_shift_scale`` (linear int4/int8) and
+``coreai::sparse_to_dense`` (pruned). Each compressed ``nn.Linear``/``nn.Embedding`` is swapped for
+one whose weight is such an op over constant buffers, so the exported program carries the
+compressed form and the converter writes it as is.
+
+Compressing in torch, not on the converted program, keeps the manifest's rules by weight name
+(``keep_float16``, LoRA matrices, per-adapter overrides), and the palettes come from the same
+k-means and palette store as the ``.mlpackage`` (``palettes.PaletteStore``). A weight met again in
+a later function (the base's, in every fused adapter) is served the very same buffers, so the
+base is compressed once and the converter stores it once.
+
+    session = CoreAIWeights(palettes)
+    with session.compressed(model, compression, lora_compression):
+        export(model)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from adapterpack.compress.palettes import PaletteStore, grouped_rows
+from adapterpack.config.compression import LORA_PATTERNS, WEIGHT_THRESHOLD, matches_any
+from adapterpack.config.manifest import Compression
+
+log = logging.getLogger(__name__)
+
+
+def _custom_layers():
+    # coreai-torch is the optional [coreai] extra: imported only when this format is built.
+    from coreai_torch._compression import custom_layers
+
+    return custom_layers
+
+
+class _CompressedLinear(nn.Module):
+    def __init__(self, weight: nn.Module, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight_source = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_source().to(x.dtype), self.bias)
+
+
+class _CompressedEmbedding(nn.Module):
+    def __init__(self, weight: nn.Module, padding_idx: int | None):
+        super().__init__()
+        self.weight_source = weight
+        self.padding_idx = padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight_source(), self.padding_idx)
+
+
+def _symmetric_int(weight: np.ndarray, compression: Compression) -> nn.Module:
+    """Linear symmetric quantization, coremltools' ``linear_symmetric``: q in [-(2^(n-1)-1), 2^(n-1)-1]."""
+    layers = _custom_layers()
+    value = weight.astype(np.float32)
+    qmax = (1 << (compression.nbits - 1)) - 1
+    out_dim, in_dim = value.shape
+    if compression.granularity == "per_tensor":
+        blocks = value.reshape(1, 1, -1)
+    elif compression.granularity == "per_channel":
+        blocks = value.reshape(out_dim, 1, in_dim)
+    else:
+        size = compression.block_size if in_dim % compression.block_size == 0 else in_dim
+        blocks = value.reshape(out_dim, in_dim // size, size)
+    scale = np.abs(blocks).max(axis=-1) / qmax
+    scale[scale == 0] = 1.0
+    scale = scale.astype(np.float16).astype(np.float32)
+    quantized = np.clip(np.rint(blocks / scale[..., None]), -qmax, qmax).astype(np.int8).reshape(value.shape)
+    if compression.granularity == "per_tensor":
+        scale = scale.reshape(1, 1)
+    return layers.WeightDequantizeModule(
+        torch.from_numpy(quantized),
+        torch.from_numpy(scale.astype(np.float16)),
+        input_dtype=torch.int4 if compression.nbits == 4 else torch.int8,
+    )
+
+
+def _magnitude_pruned(weight: np.ndarray, compression: Compression) -> nn.Module:
+    """The smallest ``sparsity`` of the weights by magnitude set to zero, as coremltools' magnitude pruner."""
+    layers = _custom_layers()
+    flat = weight.reshape(-1)
+    drop = int(round(flat.size * compression.sparsity))
+    keep = np.ones(flat.size, dtype=bool)
+    if drop:
+        keep[np.argpartition(np.abs(flat.astype(np.float32)), drop - 1)[:drop]] = False
+    mask = keep.reshape(weight.shape)
+    return layers.SparseModule(torch.from_numpy(np.ascontiguousarray(weight[mask])), torch.from_numpy(mask))
+
+
+class CoreAIWeights:
+    """Compressed weight modules for every function of one asset, shared by content."""
+
+    def __init__(self, palettes: PaletteStore | None = None):
+        self.palettes = palettes if palettes is not None else PaletteStore()
+        self._made: dict[str, nn.Module | None] = {}
+        self.compressed_count = 0
+        self.reused_count = 0
+
+    @staticmethod
+    def _key(weight: np.ndarray, compression: Compression) -> str:
+        digest = hashlib.sha256(memoryview(np.ascontiguousarray(weight)).cast("B"))
+        digest.update(f"{weight.shape}|{weight.dtype}|{compression.model_dump_json()}".encode())
+        return digest.hexdigest()
+
+    def _palettized(self, weights: dict[str, np.ndarray], compression: Compression) -> dict[str, nn.Module | None]:
+        layers = _custom_layers()
+        grouped = {name: grouped_rows(value, compression) for name, value in weights.items()}
+        made: dict[str, nn.Module | None] = {name: None for name, flat in grouped.items() if flat is None}
+        names = [name for name, flat in grouped.items() if flat is not None]
+        found = self.palettes.in_order([weights[n].size for n in names], lambda i: grouped[names[i]], compression.nbits)
+        for name in names:
+            luts, indices = next(found)
+            value = weights[name]
+            # lut_to_dense: lut (groups, 1, ..., entries, 1) over indices shaped as the weight.
+            lut = luts.astype(value.dtype).reshape(luts.shape[0], *([1] * (value.ndim - 1)), luts.shape[1], 1)
+            made[name] = layers.PalettizeModule(torch.from_numpy(indices.reshape(value.shape)), torch.from_numpy(lut))
+        return made
+
+    def modules(self, weights: dict[str, np.ndarray], compression: Compression) -> dict[str, nn.Module | None]:
+        """Name -> module whose forward gives the weight as Core AI stores it (None: left float16)."""
+        keys = {name: self._key(value, compression) for name, value in weights.items()}
+        pending = {name: weights[name] for name, key in keys.items() if key not in self._made}
+        self.reused_count += len(weights) - len(pending)
+        if pending:
+            if compression.method == "palettize":
+                fresh = self._palettized(pending, compression)
+            elif compression.method == "linear":
+                fresh = {name: _symmetric_int(value, compression) if value.ndim == 2 else None for name, value in pending.items()}
+            else:
+                fresh = {name: _magnitude_pruned(value, compression) for name, value in pending.items()}
+            for name, module in fresh.items():
+                self._made[keys[name]] = module
+                self.compressed_count += module is not None
+        return {name: self._made[key] for name, key in keys.items()}
+
+    @contextmanager
+    def compressed(
+        self, model: nn.Module, compression: Compression, lora_compression: Compression | None = None
+    ) -> Iterator[nn.Module]:
+        """``model`` with each weight the manifest compresses swapped for its compressed form;
+        the original modules are back on exit."""
+        lora_compression = lora_compression or Compression(method="none")
+        keep = (*compression.keep_float16, *LORA_PATTERNS)
+        chosen: dict[Compression, dict[str, nn.Module]] = {}
+        for name, module in model.named_modules():
+            if type(module) not in (nn.Linear, nn.Embedding) or module.weight.numel() <= WEIGHT_THRESHOLD:
+                continue
+            flat_name = name.replace(".", "_")
+            if matches_any(flat_name, LORA_PATTERNS):
+                setting = lora_compression
+            elif matches_any(flat_name, keep):
+                continue
+            else:
+                setting = compression
+            if setting.method != "none":
+                chosen.setdefault(setting, {})[name] = module
+        swapped: list[tuple[nn.Module, str, nn.Module]] = []
+        try:
+            for setting, members in chosen.items():
+                values = {name: m.weight.detach().to(torch.float16).numpy() for name, m in members.items()}
+                for name, source in self.modules(values, setting).items():
+                    if source is None:
+                        log.debug("%s left float16: %s does not split it into groups", name, setting.describe())
+                        continue
+                    module = members[name]
+                    parent_name, _, attribute = name.rpartition(".")
+                    parent = model.get_submodule(parent_name)
+                    if isinstance(module, nn.Linear):
+                        replacement = _CompressedLinear(source, module.bias)
+                    else:
+                        replacement = _CompressedEmbedding(source, module.padding_idx)
+                    setattr(parent, attribute, replacement)
+                    swapped.append((parent, attribute, module))
+            yield model
+        finally:
+            for parent, attribute, module in reversed(swapped):
+                setattr(parent, attribute, module)

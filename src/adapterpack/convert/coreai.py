@@ -1,0 +1,228 @@
+"""Export the decoder with ``torch.export`` and write every function into ONE Core AI ``.aimodel``.
+
+The same export wrapper as the ``.mlpackage`` (``ExportDecoder``): inputs ``inputIds`` int32
+(1, q) and ``causalMask`` (1, 1, q, end), states ``keyCache``/``valueCache``/``writtenSlots``,
+output ``logits``; an app switches formats without changing its calling code. All functions are
+added to one converter session and converted together: bit-identical constants (the base's
+weights, compressed once) are stored once in the asset.
+
+Core AI keeps no upper bound on a dynamic dimension (it becomes ``?``), and ``torch.export``
+specialises a cache slice whose end may equal the cache length (``cache[..., :end, :]`` with
+``end == max_context`` is the whole buffer). The asset's cache therefore has one slot more than
+``max_context``, which no call reaches: a request up to ``max_context`` tokens, either mask
+convention, reads and writes exactly what the ``.mlpackage`` does.
+
+    session = AssetSession(max_context=512)
+    session.add("code", model)          # once per function, the model as it should run
+    session.save(Path("demo.aimodel"), metadata={...})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from adapterpack.convert.coreml import CAUSAL_MASK, INPUT_IDS, LOGITS, STATE_NAMES
+from adapterpack.convert.export_decoder import ExportDecoder
+from adapterpack.errors import BadInput
+from adapterpack.mlpackage.aimodel import METADATA_FILE, METADATA_KEY
+from adapterpack.quiet import captured_output
+
+log = logging.getLogger(__name__)
+
+# Core AI assets need iOS/macOS 27 (OSVersion.v27): the only value this format is written for.
+MINIMUM_OS = "v27"
+
+
+def coreai_missing_message() -> str:
+    return 'the .aimodel format needs the [coreai] extra: pip install "adapterpack[coreai]"'
+
+
+def import_coreai_torch():
+    try:
+        with captured_output():
+            from coreai_torch import converter
+    except ImportError:
+        raise BadInput(coreai_missing_message()) from None
+    return converter
+
+
+class _Float32Linear(torch.nn.Module):
+    """A float16 linear layer computing in float32 (its weight stays stored as float16)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> torch.Tensor:  # peft reads its LoRA layers' weight dtype
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.linear.bias
+        return F.linear(x.float(), self.linear.weight.float(), None if bias is None else bias.float())
+
+
+class _Float32Output(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x).float()
+
+
+@contextmanager
+def float32_compute(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` computing in float32 from its float16 weights: every linear layer upcasts its
+    weight as it runs and the embedding's output is float32 (norms then stay float32 too)."""
+    swapped = []
+    try:
+        for name, module in list(model.named_modules()):
+            if type(module) is torch.nn.Linear:
+                replacement = _Float32Linear(module)
+            elif name.endswith("embed_tokens"):
+                replacement = _Float32Output(module)
+            else:
+                continue
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attribute, replacement)
+            swapped.append((parent, attribute, module))
+        yield model
+    finally:
+        for parent, attribute, module in reversed(swapped):
+            setattr(parent, attribute, module)
+
+
+def export_program(
+    model: torch.nn.Module, *, max_context: int, settle=lambda tensor: tensor.detach().clone(), compute: str = "float16"
+):
+    """``torch.export`` of the decoder over ``model`` for 1..max_context tokens per call.
+
+    The program refers to the model's parameters, which fusing the next adapter changes in
+    place: ``settle(parameter)`` gives the tensor the program keeps instead (a copy).
+    """
+    if compute == "float32":
+        with float32_compute(model):
+            return export_program(model, max_context=max_context, settle=settle)
+    # Logits are float16 whatever the compute precision: the contract's output type.
+    decoder = ExportDecoder(model, max_context=max_context + 1, cache_dtype=torch.float16, logits_dtype=torch.float16).eval()
+    tokens = torch.export.Dim("tokens", min=1, max=max_context)
+    end = torch.export.Dim("end", min=1, max=max_context)
+    # q > 1 and end > q, as for the .mlpackage's trace: neither is specialised away.
+    example = (torch.zeros((1, 2), dtype=torch.int32), torch.zeros((1, 1, 2, min(5, max_context)), dtype=torch.float16))
+    with torch.no_grad(), captured_output():
+        program = torch.export.export(
+            decoder, example, dynamic_shapes={INPUT_IDS: {1: tokens}, CAUSAL_MASK: {2: tokens, 3: end}}, strict=False
+        ).run_decompositions()
+    for key, value in list(program.state_dict.items()):
+        if isinstance(value, torch.nn.Parameter):
+            program.state_dict[key] = settle(value)
+    return program
+
+
+def stable_resource_names(program) -> int:
+    """Name every weight blob of ``program`` by its content; returns how many constants were renamed.
+
+    The converter names a blob by a hash seeded per process, and the name is written into the
+    asset: two builds of the same inputs would differ in those bytes alone. A content-derived
+    name makes the asset reproducible; identical blobs keep sharing one (one attribute per
+    content). coreai-core exposes no blob reader but the one its own optimization passes use.
+    """
+    import math
+
+    import numpy as np
+    from coreai._compiler._mlir_libs._coreaiIR import _bindings
+    from coreai._compiler.ir import DenseResourceElementsAttr, WalkResult
+
+    named: dict[str, object] = {}
+    renamed = 0
+
+    def rename(op):
+        nonlocal renamed
+        if op.name != "coreai.constant" or "value" not in op.attributes:
+            return WalkResult.ADVANCE
+        if not DenseResourceElementsAttr.isinstance(op.attributes["value"]):
+            return WalkResult.ADVANCE
+        kind = op.result.type
+        data = np.zeros(math.ceil(math.prod(kind.shape) * kind.element_type.width / 8), np.uint8)
+        _bindings.compiler.copy_constant_value_to_array(constant_op=op, destination=data)
+        digest = hashlib.sha256(memoryview(data))
+        digest.update(str(kind).encode())
+        key = digest.hexdigest()[:32]
+        if key not in named:
+            named[key] = DenseResourceElementsAttr.get_from_buffer(data, f"w{key}", kind, context=op.context)
+        op.attributes["value"] = named[key]
+        renamed += 1
+        return WalkResult.ADVANCE
+
+    program._module._mlir_module.operation.walk(rename)
+    return renamed
+
+
+class AssetSession:
+    """One converter session: functions in, one ``.aimodel`` out."""
+
+    def __init__(self, *, max_context: int, compute: str = "float16"):
+        self.max_context = int(max_context)
+        self.compute = compute
+        converter = import_coreai_torch()
+        # Release mode: operation ids only, no torch stack traces (file paths of this machine).
+        self._converter = converter.TorchConverter(mode=converter.TorchConverter.Mode.RELEASE)
+        self.functions: list[str] = []
+        self._settled: dict[str, torch.Tensor] = {}
+
+    def _settle(self, parameter: torch.Tensor) -> torch.Tensor:
+        # One copy per distinct content: a base weight left uncompressed is held once, not once
+        # per function.
+        value = parameter.detach()
+        digest = hashlib.sha256(memoryview(value.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        digest.update(f"{tuple(value.shape)}|{value.dtype}".encode())
+        key = digest.hexdigest()
+        if key not in self._settled:
+            self._settled[key] = value.clone()
+        return self._settled[key]
+
+    def add(self, name: str, model: torch.nn.Module) -> None:
+        program = export_program(model, max_context=self.max_context, settle=self._settle, compute=self.compute)
+        with captured_output():
+            self._converter.add_exported_program(
+                program,
+                input_names=[INPUT_IDS, CAUSAL_MASK],
+                output_names=[LOGITS],
+                state_names=list(STATE_NAMES),
+                entrypoint_name=name,
+            )
+        self.functions.append(name)
+
+    def save(self, path: Path, *, metadata: dict, description: str = "") -> None:
+        """Convert every function added and write the asset at ``path`` (a ``.aimodel`` folder)."""
+        from coreai.authoring.asset import OSVersion
+        from coreai_torch.debugging.debug_info import strip_debug_info
+
+        with captured_output():
+            program = self._converter.to_coreai()
+            # What remains of debug info is op ids and source names: not needed to run, and not
+            # part of what a release should depend on.
+            strip_debug_info(program)
+            stable_resource_names(program)
+            asset = program.save_asset(path, minimum_os=getattr(OSVersion, MINIMUM_OS))
+
+        def stamp(m) -> None:
+            # No creation time: identical inputs give an identical asset (release reproducibility).
+            m.creation_date = None
+            m.model_description = description
+            m.set_custom(METADATA_KEY, metadata)
+
+        asset.update_metadata(stamp)
+        # coreai-core writes the custom keys in no fixed order: rewrite the file with sorted keys.
+        written = path / METADATA_FILE
+        written.write_text(json.dumps(json.loads(written.read_text()), indent=2, sort_keys=True) + "\n")

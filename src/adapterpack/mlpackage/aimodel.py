@@ -1,0 +1,93 @@
+"""Reading a Core AI ``.aimodel``: its entry points and their signatures (through coreai-core's
+asset summary), adapterpack's metadata (``metadata.json``) and the integrity of its program.
+
+An asset is a folder: ``main.mlirb`` (the program, every entry point and its weights),
+``main.hash`` (sha256 of ``main.mlirb``, written by coreai-core) and ``metadata.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from adapterpack.errors import BadInput
+
+SUFFIX = ".aimodel"
+PROGRAM_FILE = "main.mlirb"
+HASH_FILE = "main.hash"
+METADATA_FILE = "metadata.json"
+# Where adapterpack's metadata sits in metadata.json (coreai's set_custom).
+METADATA_KEY = "adapterpack"
+
+_SIGNATURE = re.compile(r"NDArray \((\w+), (.*)\)")
+
+
+def is_asset(path: str | Path) -> bool:
+    return Path(path).suffix == SUFFIX
+
+
+def asset_metadata(path: Path) -> dict[str, str]:
+    """adapterpack's metadata in the asset (the same keys as a ``.mlpackage``'s)."""
+    try:
+        document = json.loads((path / METADATA_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise BadInput(f"{path}: not a readable .aimodel ({METADATA_FILE}: {error})") from None
+    found = document.get("creatorDefinedMetadata", {}).get(METADATA_KEY, {})
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
+def program_intact(path: Path) -> bool:
+    """Whether ``main.mlirb`` still has the sha256 recorded beside it when it was written."""
+    try:
+        recorded = (path / HASH_FILE).read_bytes()
+        digest = hashlib.sha256()
+        with (path / PROGRAM_FILE).open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return False
+    return digest.digest() == recorded
+
+
+def program_digest(path: Path) -> str:
+    """Hex sha256 of the asset's program (what ``main.hash`` records)."""
+    try:
+        return (path / HASH_FILE).read_bytes().hex()
+    except OSError:
+        return ""
+
+
+def feature_of(name: str, signature: str) -> tuple[str, str, str]:
+    """(name, dtype, shape) from the runtime's ``NDArray (Float16, 1 × ? × 264)``."""
+    found = _SIGNATURE.fullmatch(signature.strip())
+    if found is None:
+        return name, signature, ""
+    dims = [d.strip() for d in found.group(2).split("×")]
+    return name, found.group(1).lower(), "(" + ", ".join(dims) + ")"
+
+
+def shape_of(signature: str) -> tuple[int, ...]:
+    """The static shape in a runtime signature (a state's): ``NDArray (Float16, 4 × 1 × 65)``."""
+    _, _, shape = feature_of("", signature)
+    return tuple(int(d) for d in shape.strip("()").split(", "))
+
+
+def asset_summary(path: Path, *, statistics: bool = False):
+    """coreai-core's summary of the asset: function names and signatures, and with
+    ``statistics`` storage types and op counts (slower: reads the whole program)."""
+    if not (path / PROGRAM_FILE).is_file():
+        raise BadInput(f"{path}: not a Core AI asset (no {PROGRAM_FILE})")
+    try:
+        from coreai.authoring.asset import AIModelAsset
+    except ImportError:
+        raise BadInput('reading a .aimodel needs the [coreai] extra: pip install "adapterpack[coreai]"') from None
+    try:
+        return AIModelAsset.load(path).summary(include_statistics=statistics)
+    except RuntimeError as error:
+        raise BadInput(f"{path}: Core AI cannot read this asset: {error}") from None
+
+
+def asset_statistics(path: Path):
+    return asset_summary(path, statistics=True)
