@@ -82,8 +82,13 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
                 if adapter is not None
                 else contextlib.nullcontext(base)
             )
-            with reporter.stage(f"{name}: compress ({compression.describe()}) and export"):
-                with applied as model, weights.compressed(model, compression, manifest.lora_compression if mode == "keep" else None):
+            lora_compression = manifest.lora_compression if mode == "keep" else None
+            with applied as model, contextlib.ExitStack() as swapped:
+                # Compressed weights stay swapped in through the export (its own stage), then the
+                # model gets its modules back before the next adapter is applied.
+                with reporter.progress(f"{name}: compress ({compression.describe()})") as update:
+                    swapped.enter_context(weights.compressed(model, compression, lora_compression, progress=update))
+                with reporter.stage(f"{name}: export"):
                     session.add(name, model)
         del base
         log.debug("compressed weights: %d made, %d shared with an earlier function", weights.compressed_count, weights.reused_count)

@@ -116,28 +116,35 @@ class CoreAIWeights:
         digest.update(f"{weight.shape}|{weight.dtype}|{compression.model_dump_json()}".encode())
         return digest.hexdigest()
 
-    def _palettized(self, weights: dict[str, np.ndarray], compression: Compression) -> dict[str, nn.Module | None]:
+    def _palettized(self, weights: dict[str, np.ndarray], compression: Compression, progress) -> dict[str, nn.Module | None]:
         layers = _custom_layers()
         grouped = {name: grouped_rows(value, compression) for name, value in weights.items()}
         made: dict[str, nn.Module | None] = {name: None for name, flat in grouped.items() if flat is None}
         names = [name for name, flat in grouped.items() if flat is not None]
         found = self.palettes.in_order([weights[n].size for n in names], lambda i: grouped[names[i]], compression.nbits)
+        total, done = sum(weights[n].size for n in names), 0
         for name in names:
             luts, indices = next(found)
             value = weights[name]
             # lut_to_dense: lut (groups, 1, ..., entries, 1) over indices shaped as the weight.
             lut = luts.astype(value.dtype).reshape(luts.shape[0], *([1] * (value.ndim - 1)), luts.shape[1], 1)
             made[name] = layers.PalettizeModule(torch.from_numpy(indices.reshape(value.shape)), torch.from_numpy(lut))
+            done += value.size
+            progress(done, total)
         return made
 
-    def modules(self, weights: dict[str, np.ndarray], compression: Compression) -> dict[str, nn.Module | None]:
-        """Name -> module whose forward gives the weight as Core AI stores it (None: left float16)."""
+    def modules(
+        self, weights: dict[str, np.ndarray], compression: Compression, progress=lambda done, total: None
+    ) -> dict[str, nn.Module | None]:
+        """Name -> module whose forward gives the weight as Core AI stores it (None: left float16).
+
+        ``progress(done, total)`` counts the weight values palettized so far."""
         keys = {name: self._key(value, compression) for name, value in weights.items()}
         pending = {name: weights[name] for name, key in keys.items() if key not in self._made}
         self.reused_count += len(weights) - len(pending)
         if pending:
             if compression.method == "palettize":
-                fresh = self._palettized(pending, compression)
+                fresh = self._palettized(pending, compression, progress)
             elif compression.method == "linear":
                 fresh = {name: _symmetric_int(value, compression) if value.ndim == 2 else None for name, value in pending.items()}
             else:
@@ -149,10 +156,14 @@ class CoreAIWeights:
 
     @contextmanager
     def compressed(
-        self, model: nn.Module, compression: Compression, lora_compression: Compression | None = None
+        self,
+        model: nn.Module,
+        compression: Compression,
+        lora_compression: Compression | None = None,
+        progress=lambda done, total: None,
     ) -> Iterator[nn.Module]:
         """``model`` with each weight the manifest compresses swapped for its compressed form;
-        the original modules are back on exit."""
+        the original modules are back on exit. ``progress(done, total)``: see ``modules``."""
         lora_compression = lora_compression or Compression(method="none")
         keep = (*compression.keep_float16, *LORA_PATTERNS)
         chosen: dict[Compression, dict[str, nn.Module]] = {}
@@ -172,7 +183,7 @@ class CoreAIWeights:
         try:
             for setting, members in chosen.items():
                 values = {name: m.weight.detach().to(torch.float16).numpy() for name, m in members.items()}
-                for name, source in self.modules(values, setting).items():
+                for name, source in self.modules(values, setting, progress).items():
                     if source is None:
                         log.debug("%s left float16: %s does not split it into groups", name, setting.describe())
                         continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -216,7 +217,7 @@ def generate(
     decoded piece as it comes; with ``compare``, also with its PyTorch reference (needs
     ``checked``: the manifest's inputs) and where the two part."""
     from adapterpack.evaluate.text import package_text
-    from adapterpack.verify.runners import function_sessions
+    from adapterpack.verify.runners import backend_for, function_sessions
 
     if compare and checked is None:
         raise BadInput("--compare needs --manifest: the reference is made from its base and adapters")
@@ -235,7 +236,7 @@ def generate(
         on_text(tail)
     result = GenerateResult(
         function, len(prompt_ids), run.generated, text.tokenizer.decode(run.generated, skip_special_tokens=True),
-        run.prefill_seconds, run.tokens_per_second, run.stopped_at_eos, backend,
+        run.prefill_seconds, run.tokens_per_second, run.stopped_at_eos, backend_for(Path(package), backend),
     )
     if compare:
         from adapterpack.verify.metrics import top1_resolution

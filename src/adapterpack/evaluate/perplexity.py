@@ -93,7 +93,7 @@ def evaluate(
     counts windows run."""
     from adapterpack.evaluate.text import package_text, read_text_file
     from adapterpack.verify.reference import reference_model
-    from adapterpack.verify.runners import function_sessions
+    from adapterpack.verify.runners import backend_for, function_sessions
 
     text = package_text(package, checked)
     names = functions or text.functions
@@ -106,7 +106,9 @@ def evaluate(
     if not 2 <= window <= text.max_tokens:
         raise BadInput(f"--window {window}: give 2 to {text.max_tokens} tokens (max_context - 1)")
     spans = windows(len(ids), window)
-    report = EvalReport(Path(package), Path(text_file), len(ids), len(ids) - 1, window, max(1, window // 2), backend)
+    report = EvalReport(
+        Path(package), Path(text_file), len(ids), len(ids) - 1, window, max(1, window // 2), backend_for(Path(package), backend)
+    )
     sessions = function_sessions(Path(package), backend)
     total, done = (2 if checked is not None else 1) * len(spans) * len(names), 0
     import torch

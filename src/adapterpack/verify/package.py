@@ -21,7 +21,7 @@ from adapterpack.verify.executor import DeclaredTypeMismatch
 from adapterpack.verify.metrics import compare_logits, retention
 from adapterpack.verify.reference import reference_logits
 from adapterpack.verify.reports import FunctionReport, VerifyReport
-from adapterpack.verify.runners import CORE_AI_BACKEND, Backend, drive_runner
+from adapterpack.verify.runners import Backend, backend_for, drive_runner
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def verify_package(
     settings = manifest.verify
     asset = aimodel.is_asset(package)
     # An .aimodel runs on Core AI's own runtime, here on the CPU: no other backend applies.
-    backend = CORE_AI_BACKEND if asset else backend
+    backend = backend_for(package, backend)
     report = VerifyReport(package=package, backend=backend, functions=[])
 
     expected = manifest.function_names

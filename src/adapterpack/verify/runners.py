@@ -25,6 +25,11 @@ Backend = Literal["numpy", "coreml"]
 CORE_AI_BACKEND = "coreai-cpu"
 
 
+def backend_for(package: Path, backend: str) -> str:
+    """The name of what runs ``package`` when ``backend`` is asked for (reports say which ran)."""
+    return CORE_AI_BACKEND if aimodel.is_asset(package) else backend
+
+
 def function_sessions(package: Path, backend: Backend = "numpy") -> Callable[[str], Callable[[], Predict]]:
     """``open(function)`` loads one function (dropping the one loaded before, so a runner holds
     one function's weights, not the package's) and returns ``new_session()``: a predict bound to
