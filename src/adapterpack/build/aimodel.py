@@ -54,7 +54,7 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
     from adapterpack.compress.coreai_weights import CoreAIWeights
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.convert.base_model import load_base, stored_weight_reader
-    from adapterpack.convert.coreai import AssetSession
+    from adapterpack.convert.coreai import AssetSession, swapped_modules
     from adapterpack.convert.lora import applied_adapter
 
     manifest = checked.manifest
@@ -83,13 +83,13 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
                 else contextlib.nullcontext(base)
             )
             lora_compression = manifest.lora_compression if mode == "keep" else None
-            with applied as model, contextlib.ExitStack() as swapped:
-                # Compressed weights stay swapped in through the export (its own stage), then the
-                # model gets its modules back before the next adapter is applied.
+            with applied as model:
                 with reporter.progress(f"{name}: compress ({compression.describe()})") as update:
-                    swapped.enter_context(weights.compressed(model, compression, lora_compression, progress=update))
-                with reporter.stage(f"{name}: export"):
+                    replacements = weights.replacements(model, compression, lora_compression, progress=update)
+                # The model gets its own modules back before the next adapter is applied.
+                with reporter.stage(f"{name}: export"), swapped_modules(model, replacements):
                     session.add(name, model)
+                del replacements
         del base
         log.debug("compressed weights: %d made, %d shared with an earlier function", weights.compressed_count, weights.reused_count)
         first = records[names[0]]

@@ -212,6 +212,10 @@ def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | N
     if function is not None and function not in m.function_names:
         raise BadInput(f"--function {function}: not a function of {m.source}: choose one of {', '.join(m.function_names)}")
     versions = library_versions()
+    if m.export.format == "aimodel":
+        from adapterpack.build.aimodel import coreai_versions
+
+        versions = coreai_versions(versions)
     shared = content_key({"base": checked.base.content_hash, "versions": versions, "export": m.export.model_dump(mode="json")})[:16]
     everything = content_key({
         "shared": shared,

@@ -12,17 +12,15 @@ k-means and palette store as the ``.mlpackage`` (``palettes.PaletteStore``). A w
 a later function (the base's, in every fused adapter) is served the very same buffers, so the
 base is compressed once and the converter stores it once.
 
-    session = CoreAIWeights(palettes)
-    with session.compressed(model, compression, lora_compression):
-        export(model)
+    weights = CoreAIWeights(palettes)
+    with swapped_modules(model, weights.replacements(model, compression, lora_compression)):
+        export(model)           # (convert.coreai.swapped_modules)
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -63,7 +61,7 @@ class _CompressedEmbedding(nn.Module):
         return F.embedding(ids, self.weight_source(), self.padding_idx)
 
 
-def _symmetric_int(weight: np.ndarray, compression: Compression) -> nn.Module:
+def _symmetric_int(weight: np.ndarray, compression: Compression) -> nn.Module | None:
     """Linear symmetric quantization, coremltools' ``linear_symmetric``: q in [-(2^(n-1)-1), 2^(n-1)-1]."""
     layers = _custom_layers()
     value = weight.astype(np.float32)
@@ -73,9 +71,10 @@ def _symmetric_int(weight: np.ndarray, compression: Compression) -> nn.Module:
         blocks = value.reshape(1, 1, -1)
     elif compression.granularity == "per_channel":
         blocks = value.reshape(out_dim, 1, in_dim)
+    elif in_dim % compression.block_size:
+        return None  # blocks must tile the input channels; left float16, as coremltools leaves it
     else:
-        size = compression.block_size if in_dim % compression.block_size == 0 else in_dim
-        blocks = value.reshape(out_dim, in_dim // size, size)
+        blocks = value.reshape(out_dim, in_dim // compression.block_size, compression.block_size)
     scale = np.abs(blocks).max(axis=-1) / qmax
     scale[scale == 0] = 1.0
     scale = scale.astype(np.float16).astype(np.float32)
@@ -154,16 +153,16 @@ class CoreAIWeights:
                 self.compressed_count += module is not None
         return {name: self._made[key] for name, key in keys.items()}
 
-    @contextmanager
-    def compressed(
+    def replacements(
         self,
         model: nn.Module,
         compression: Compression,
         lora_compression: Compression | None = None,
         progress=lambda done, total: None,
-    ) -> Iterator[nn.Module]:
-        """``model`` with each weight the manifest compresses swapped for its compressed form;
-        the original modules are back on exit. ``progress(done, total)``: see ``modules``."""
+    ) -> dict[str, nn.Module]:
+        """Module name -> the module to put in its place: each linear layer or embedding whose
+        weight the manifest compresses, computing from the compressed form.
+        ``progress(done, total)``: see ``modules``."""
         lora_compression = lora_compression or Compression(method="none")
         keep = (*compression.keep_float16, *LORA_PATTERNS)
         chosen: dict[Compression, dict[str, nn.Module]] = {}
@@ -179,24 +178,16 @@ class CoreAIWeights:
                 setting = compression
             if setting.method != "none":
                 chosen.setdefault(setting, {})[name] = module
-        swapped: list[tuple[nn.Module, str, nn.Module]] = []
-        try:
-            for setting, members in chosen.items():
-                values = {name: m.weight.detach().to(torch.float16).numpy() for name, m in members.items()}
-                for name, source in self.modules(values, setting, progress).items():
-                    if source is None:
-                        log.debug("%s left float16: %s does not split it into groups", name, setting.describe())
-                        continue
-                    module = members[name]
-                    parent_name, _, attribute = name.rpartition(".")
-                    parent = model.get_submodule(parent_name)
-                    if isinstance(module, nn.Linear):
-                        replacement = _CompressedLinear(source, module.bias)
-                    else:
-                        replacement = _CompressedEmbedding(source, module.padding_idx)
-                    setattr(parent, attribute, replacement)
-                    swapped.append((parent, attribute, module))
-            yield model
-        finally:
-            for parent, attribute, module in reversed(swapped):
-                setattr(parent, attribute, module)
+        replaced: dict[str, nn.Module] = {}
+        for setting, members in chosen.items():
+            values = {name: m.weight.detach().to(torch.float16).numpy() for name, m in members.items()}
+            for name, source in self.modules(values, setting, progress).items():
+                if source is None:
+                    log.debug("%s left float16: %s does not split it into groups or blocks", name, setting.describe())
+                    continue
+                module = members[name]
+                if isinstance(module, nn.Linear):
+                    replaced[name] = _CompressedLinear(source, module.bias)
+                else:
+                    replaced[name] = _CompressedEmbedding(source, module.padding_idx)
+        return replaced

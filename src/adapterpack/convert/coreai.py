@@ -80,26 +80,32 @@ class _Float32Output(torch.nn.Module):
 
 
 @contextmanager
-def float32_compute(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """``model`` computing in float32 from its float16 weights: every linear layer upcasts its
-    weight as it runs and the embedding's output is float32 (norms then stay float32 too)."""
+def swapped_modules(model: torch.nn.Module, replacements: dict[str, torch.nn.Module]) -> Iterator[torch.nn.Module]:
+    """``model`` with each named submodule replaced; the originals are back on exit."""
     swapped = []
     try:
-        for name, module in list(model.named_modules()):
-            if type(module) is torch.nn.Linear:
-                replacement = _Float32Linear(module)
-            elif name.endswith("embed_tokens"):
-                replacement = _Float32Output(module)
-            else:
-                continue
+        for name, replacement in replacements.items():
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name)
+            swapped.append((parent, attribute, getattr(parent, attribute)))
             setattr(parent, attribute, replacement)
-            swapped.append((parent, attribute, module))
         yield model
     finally:
         for parent, attribute, module in reversed(swapped):
             setattr(parent, attribute, module)
+
+
+def float32_compute(model: torch.nn.Module):
+    """``model`` computing in float32 from its float16 weights (a context manager): every linear
+    layer upcasts its weight as it runs and the embedding's output is float32 (norms then stay
+    float32 too)."""
+    replacements: dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear:
+            replacements[name] = _Float32Linear(module)
+        elif name.endswith("embed_tokens"):
+            replacements[name] = _Float32Output(module)
+    return swapped_modules(model, replacements)
 
 
 def export_program(
