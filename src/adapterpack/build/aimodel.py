@@ -10,6 +10,7 @@ converter session (``convert.coreai.AssetSession``), each compressed in torch
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import shutil
@@ -90,7 +91,10 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
                 with reporter.stage(f"{name}: export"), swapped_modules(model, replacements):
                     session.add(name, model)
                 del replacements
-        del base
+        # ``model`` is the base itself once its adapter is unapplied: unbind both, or the float16
+        # base stays resident while the converter copies every function's weights.
+        del base, model
+        gc.collect()
         log.debug("compressed weights: %d made, %d shared with an earlier function", weights.compressed_count, weights.reused_count)
         first = records[names[0]]
         metadata = package_metadata(
