@@ -20,23 +20,9 @@ from adapterpack.build.builder import check_float16_range
 from adapterpack.build.parts import PartRecord
 from adapterpack.build.records import FunctionRecord, Reporter
 from adapterpack.inputs.checked import CheckedInputs, hf_name
-from adapterpack.mlpackage.metadata import METADATA_PREFIX, package_metadata
+from adapterpack.mlpackage.metadata import METADATA_PREFIX, library_versions, package_metadata
 
 log = logging.getLogger(__name__)
-
-
-def coreai_versions(versions: dict[str, str]) -> dict[str, str]:
-    """``versions`` plus the Core AI libraries that shape an asset's bytes."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = dict(versions)
-    found.pop("coremltools", None)
-    for package in ("coreai-core", "coreai-torch"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = "unknown"
-    return found
 
 
 def model_sizes(config: dict) -> dict[str, int | None]:
@@ -104,7 +90,7 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
             default_function=manifest.default,
             max_context=first.max_context,
             base={k: first.base[k] for k in ("source", "revision", "sha256")},
-            versions=coreai_versions(first.versions),
+            versions=library_versions(core_ai=True),
         )
         # What `inspect` needs for the activations estimate, which a .mlpackage reads from its program.
         metadata[METADATA_PREFIX + "shape"] = json.dumps(model_sizes(checked.base.config), sort_keys=True)

@@ -98,8 +98,7 @@ def build(
                 report = verify_package(
                     merged, manifest, backend=backend, checked=checked, reuse=reuse, digests=digests, stage=reporter.stage
                 )
-            if not report.passed:
-                raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
+            refuse_unless_passed(report, destination)
             if cache is not None:
                 cache.put_verified({keys[f.name]: f for f in report.functions if f.name not in reuse})
         staging.commit(merged)
@@ -125,6 +124,12 @@ def build(
             f"{result.package_size / 2**20:.1f} MiB (the base stored once, adapters as float16 LoRA matrices)"
         )
     return result
+
+
+def refuse_unless_passed(report, destination: Path) -> None:
+    """VerificationFailed (exit 3) unless every function passed; the output was not written."""
+    if not report.passed:
+        raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
 
 
 # Why fan-out stops at the .mlpackage: Core AI shares weights only between entry points converted
@@ -161,8 +166,7 @@ def _build_asset(checked: CheckedInputs, destination: Path, options: BuildOption
         if options.verify:
             with reporter.stage(f"verify {len(records)} function(s) (Core AI runtime, CPU)"):
                 report = verify_package(staged, manifest, checked=checked, stage=reporter.stage)
-            if not report.passed:
-                raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
+            refuse_unless_passed(report, destination)
         staging.commit(staged)
     return BuildResult(
         output=destination,
@@ -211,11 +215,7 @@ def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | N
     m = checked.manifest
     if function is not None and function not in m.function_names:
         raise BadInput(f"--function {function}: not a function of {m.source}: choose one of {', '.join(m.function_names)}")
-    versions = library_versions()
-    if m.export.format == "aimodel":
-        from adapterpack.build.aimodel import coreai_versions
-
-        versions = coreai_versions(versions)
+    versions = library_versions(core_ai=m.export.format == "aimodel")
     shared = content_key({"base": checked.base.content_hash, "versions": versions, "export": m.export.model_dump(mode="json")})[:16]
     everything = content_key({
         "shared": shared,
@@ -305,8 +305,7 @@ def merge_from_parts(
 
             with reporter.stage(f"verify {len(parts)} function(s) ({backend})"):
                 report = verify_package(merged, checked.manifest, backend=backend, checked=checked, stage=reporter.stage)
-            if not report.passed:
-                raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
+            refuse_unless_passed(report, destination)
         staging.commit(merged)
     first = parts[0].record
     return BuildResult(

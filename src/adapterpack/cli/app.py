@@ -41,8 +41,7 @@ from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from adapterpack.mlpackage.aimodel import is_asset
 from adapterpack.mlpackage.functions import read_functions
 from adapterpack.release.artifacts import release as run_release
-from adapterpack.report.asset import inspect_asset
-from adapterpack.report.inspect import inspect_package
+from adapterpack.report.asset import inspect_either
 from adapterpack.report.memory import budget_rows, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
 from adapterpack.verify.package import verify_package
@@ -466,7 +465,7 @@ def inspect(
     with error_boundary():
 
         devices = [find_device(device)] if device else list(DEVICES)
-        report = inspect_asset(package) if is_asset(package) else inspect_package(package)
+        report = inspect_either(package)
         estimate = memory_estimate(report)
         budget = budget_rows(report, estimate, devices)
         if as_json:

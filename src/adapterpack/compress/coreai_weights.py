@@ -19,7 +19,6 @@ base is compressed once and the converter stores it once.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import numpy as np
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from adapterpack.compress.palettes import PaletteStore, grouped_rows
+from adapterpack.compress.palettes import PaletteStore, content_digest, grouped_rows
 from adapterpack.config.compression import LORA_PATTERNS, WEIGHT_THRESHOLD, matches_any
 from adapterpack.config.manifest import Compression
 
@@ -63,6 +62,8 @@ class _CompressedEmbedding(nn.Module):
 
 def _symmetric_int(weight: np.ndarray, compression: Compression) -> nn.Module | None:
     """Linear symmetric quantization, coremltools' ``linear_symmetric``: q in [-(2^(n-1)-1), 2^(n-1)-1]."""
+    if weight.ndim != 2:
+        return None  # not a matrix: left float16
     layers = _custom_layers()
     value = weight.astype(np.float32)
     qmax = (1 << (compression.nbits - 1)) - 1
@@ -100,6 +101,10 @@ def _magnitude_pruned(weight: np.ndarray, compression: Compression) -> nn.Module
     return layers.SparseModule(torch.from_numpy(np.ascontiguousarray(weight[mask])), torch.from_numpy(mask))
 
 
+# Methods that compress each weight on its own (palettization clusters many together, in batches).
+ONE_AT_A_TIME = {"linear": _symmetric_int, "prune": _magnitude_pruned}
+
+
 class CoreAIWeights:
     """Compressed weight modules for every function of one asset, shared by content."""
 
@@ -108,12 +113,6 @@ class CoreAIWeights:
         self._made: dict[str, nn.Module | None] = {}
         self.compressed_count = 0
         self.reused_count = 0
-
-    @staticmethod
-    def _key(weight: np.ndarray, compression: Compression) -> str:
-        digest = hashlib.sha256(memoryview(np.ascontiguousarray(weight)).cast("B"))
-        digest.update(f"{weight.shape}|{weight.dtype}|{compression.model_dump_json()}".encode())
-        return digest.hexdigest()
 
     def _palettized(self, weights: dict[str, np.ndarray], compression: Compression, progress) -> dict[str, nn.Module | None]:
         layers = _custom_layers()
@@ -138,16 +137,15 @@ class CoreAIWeights:
         """Name -> module whose forward gives the weight as Core AI stores it (None: left float16).
 
         ``progress(done, total)`` counts the weight values palettized so far."""
-        keys = {name: self._key(value, compression) for name, value in weights.items()}
+        keys = {name: content_digest(value, compression.model_dump_json()) for name, value in weights.items()}
         pending = {name: weights[name] for name, key in keys.items() if key not in self._made}
         self.reused_count += len(weights) - len(pending)
         if pending:
             if compression.method == "palettize":
                 fresh = self._palettized(pending, compression, progress)
-            elif compression.method == "linear":
-                fresh = {name: _symmetric_int(value, compression) if value.ndim == 2 else None for name, value in pending.items()}
             else:
-                fresh = {name: _magnitude_pruned(value, compression) for name, value in pending.items()}
+                compress = ONE_AT_A_TIME[compression.method]
+                fresh = {name: compress(value, compression) for name, value in pending.items()}
             for name, module in fresh.items():
                 self._made[keys[name]] = module
                 self.compressed_count += module is not None

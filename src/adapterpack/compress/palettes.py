@@ -82,6 +82,13 @@ def grouped_rows(value: np.ndarray, compression: Compression) -> np.ndarray | No
     return np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
 
 
+def content_digest(values: np.ndarray, label: str) -> str:
+    """sha256 of ``values``' bytes, shape and dtype, and ``label`` (what they are compressed with)."""
+    digest = hashlib.sha256(memoryview(np.ascontiguousarray(values)).cast("B"))
+    digest.update(f"{values.shape}|{values.dtype}|{label}".encode())
+    return digest.hexdigest()
+
+
 def _group_key(group: np.ndarray, nbits: int) -> tuple[bytes, int, str, tuple[int, ...]]:
     return (hashlib.blake2b(group.tobytes(), digest_size=16).digest(), nbits, str(group.dtype), group.shape)
 
@@ -224,9 +231,7 @@ class PaletteStore:
     def _file(self, flat: np.ndarray, nbits: int) -> str | None:
         if self.files is None:
             return None
-        digest = hashlib.sha256(memoryview(np.ascontiguousarray(flat)).cast("B"))
-        digest.update(f"{flat.shape}|{flat.dtype}|{nbits}|{PALETTE_ALGORITHM}".encode())
-        return digest.hexdigest()
+        return content_digest(flat, f"{nbits}|{PALETTE_ALGORITHM}")
 
     def _cached(self, key: str | None, flat: np.ndarray, nbits: int) -> Palettes | None:
         data = self.files.read(key) if key is not None else None

@@ -350,15 +350,14 @@ class Manifest(_Strict):
             where = ".".join(str(p) for p in first["loc"])
             raise ValueError(f"adapter '{name}' compression{'.' + where if where else ''}: {first['msg']}") from None
 
-    def output_path(self, override: str | Path | None = None, package_format: str | None = None) -> Path:
+    def output_path(self, override: str | Path | None = None) -> Path:
         """Where the build writes: ``override``, else the manifest's ``output``, else
-        ``build/<name>.<format>``; ``package_format`` (``--format``) replaces the format."""
+        ``build/<name>.<export.format>`` (``with_format`` applies ``--format``)."""
         if override is not None:
             return Path(override).expanduser().resolve()
         if self.output is not None:
-            path = (self.folder / Path(self.output).expanduser()).resolve()
-            return path.with_suffix(f".{package_format}") if package_format and format_of(path) else path
-        return (self.folder / "build" / f"{self.name}.{package_format or self.export.format}").resolve()
+            return (self.folder / Path(self.output).expanduser()).resolve()
+        return (self.folder / "build" / f"{self.name}.{self.export.format}").resolve()
 
     def with_format(self, package_format: str) -> Manifest:
         """This manifest writing ``package_format`` (the command line's ``--format``)."""

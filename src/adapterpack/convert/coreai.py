@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from adapterpack.convert.coreml import CAUSAL_MASK, INPUT_IDS, LOGITS, STATE_NAMES
 from adapterpack.convert.export_decoder import ExportDecoder
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.aimodel import METADATA_FILE, METADATA_KEY
+from adapterpack.mlpackage.aimodel import EXTRA_MISSING, METADATA_FILE, METADATA_KEY
 from adapterpack.quiet import captured_output
 
 log = logging.getLogger(__name__)
@@ -41,16 +41,12 @@ log = logging.getLogger(__name__)
 MINIMUM_OS = "v27"
 
 
-def coreai_missing_message() -> str:
-    return 'the .aimodel format needs the [coreai] extra: pip install "adapterpack[coreai]"'
-
-
 def import_coreai_torch():
     try:
         with captured_output():
             from coreai_torch import converter
     except ImportError:
-        raise BadInput(coreai_missing_message()) from None
+        raise BadInput(EXTRA_MISSING) from None
     return converter
 
 

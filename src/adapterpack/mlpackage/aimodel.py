@@ -7,12 +7,12 @@ An asset is a folder: ``main.mlirb`` (the program, every entry point and its wei
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
 
 from adapterpack.errors import BadInput
+from adapterpack.inputs.safetensors import sha256_files
 
 SUFFIX = ".aimodel"
 PROGRAM_FILE = "main.mlirb"
@@ -20,6 +20,7 @@ HASH_FILE = "main.hash"
 METADATA_FILE = "metadata.json"
 # Where adapterpack's metadata sits in metadata.json (coreai's set_custom).
 METADATA_KEY = "adapterpack"
+EXTRA_MISSING = 'the .aimodel format needs the [coreai] extra: pip install "adapterpack[coreai]"'
 
 _SIGNATURE = re.compile(r"NDArray \((\w+), (.*)\)")
 
@@ -41,14 +42,9 @@ def asset_metadata(path: Path) -> dict[str, str]:
 def program_intact(path: Path) -> bool:
     """Whether ``main.mlirb`` still has the sha256 recorded beside it when it was written."""
     try:
-        recorded = (path / HASH_FILE).read_bytes()
-        digest = hashlib.sha256()
-        with (path / PROGRAM_FILE).open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    except OSError:
+        return sha256_files([path / PROGRAM_FILE]) == (path / HASH_FILE).read_bytes().hex()
+    except (BadInput, OSError):  # a missing or unreadable file is not intact
         return False
-    return digest.digest() == recorded
 
 
 def program_digest(path: Path) -> str:
@@ -68,10 +64,14 @@ def feature_of(name: str, signature: str) -> tuple[str, str, str]:
     return name, found.group(1).lower(), "(" + ", ".join(dims) + ")"
 
 
+def dims_of(shape: str) -> tuple[int, ...]:
+    """The static dimensions of a shape as ``feature_of`` writes it: ``(4, 1, 65)``."""
+    return tuple(int(d) for d in shape.strip("()").split(", "))
+
+
 def shape_of(signature: str) -> tuple[int, ...]:
     """The static shape in a runtime signature (a state's): ``NDArray (Float16, 4 × 1 × 65)``."""
-    _, _, shape = feature_of("", signature)
-    return tuple(int(d) for d in shape.strip("()").split(", "))
+    return dims_of(feature_of("", signature)[2])
 
 
 def asset_summary(path: Path, *, statistics: bool = False):
@@ -82,12 +82,9 @@ def asset_summary(path: Path, *, statistics: bool = False):
     try:
         from coreai.authoring.asset import AIModelAsset
     except ImportError:
-        raise BadInput('reading a .aimodel needs the [coreai] extra: pip install "adapterpack[coreai]"') from None
+        raise BadInput(EXTRA_MISSING) from None
     try:
         return AIModelAsset.load(path).summary(include_statistics=statistics)
     except RuntimeError as error:
         raise BadInput(f"{path}: Core AI cannot read this asset: {error}") from None
 
-
-def asset_statistics(path: Path):
-    return asset_summary(path, statistics=True)

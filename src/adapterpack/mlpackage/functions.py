@@ -9,6 +9,7 @@ from pathlib import Path
 
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage import aimodel
+from adapterpack.mlpackage.metadata import METADATA_PREFIX
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
 
 _DTYPES = {65568: "float32", 65552: "float16", 131104: "int32", 65600: "float64"}
@@ -110,5 +111,5 @@ def _asset_functions(path: Path) -> PackageFunctions:
     if not functions:
         raise BadInput(f"{path}: the asset has no entry points")
     metadata = aimodel.asset_metadata(path)
-    default = metadata.get("co.adapterpack.defaultFunction") or functions[0].name
+    default = metadata.get(METADATA_PREFIX + "defaultFunction") or functions[0].name
     return PackageFunctions(path=path, functions=functions, default=default, metadata=metadata)

@@ -41,12 +41,14 @@ def package_metadata(
     }
 
 
-def library_versions() -> dict[str, str]:
-    """Versions of adapterpack and the libraries that shape the package's bytes."""
+def library_versions(*, core_ai: bool = False) -> dict[str, str]:
+    """Versions of adapterpack and the libraries that shape the package's bytes (``core_ai``: of
+    a Core AI ``.aimodel``, whose converter and writer replace coremltools)."""
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for package in ("adapterpack", "coremltools", "torch", "transformers", "peft", "numpy"):
+    converters = ("coreai-core", "coreai-torch") if core_ai else ("coremltools",)
+    for package in ("adapterpack", *converters, "torch", "transformers", "peft", "numpy"):
         try:
             found[package] = version(package)
         except PackageNotFoundError:

@@ -17,7 +17,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.build.aimodel import coreai_versions
 from adapterpack.build.pipeline import build, chosen_format
 from adapterpack.build.records import BuildOptions, BuildResult, Reporter
 from adapterpack.build.staging import Staging
@@ -193,7 +192,7 @@ def build_info(checked, result: BuildResult, zip_path: Path) -> dict:
         "functions": [r.name for r in result.functions],
         "default_function": result.default_function,
         "compression": {r.name: r.compression for r in result.functions},
-        "versions": coreai_versions(library_versions()) if is_asset(result.output) else library_versions(),
+        "versions": library_versions(core_ai=is_asset(result.output)),
         "verify": report.as_json() | {"package": result.output.name} if report is not None else None,
         "sizes": {
             "package_bytes": result.package_size,

@@ -76,11 +76,9 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
 def model_card(checked, result, package_name: str, tokenizer_files: list[str], hashes: dict[str, str],
                bundle_name: str, eval_report=None) -> str:
     """The bundle's README.md: a Hugging Face model card (YAML front matter, then Markdown)."""
-    from adapterpack.build.aimodel import coreai_versions
     from adapterpack.config.devices import DEVICES
     from adapterpack.mlpackage.metadata import library_versions
-    from adapterpack.report.asset import inspect_asset
-    from adapterpack.report.inspect import inspect_package
+    from adapterpack.report.asset import inspect_either
     from adapterpack.report.memory import budget_rows, memory_estimate
 
     manifest = checked.manifest
@@ -157,7 +155,7 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
                 lines.append(
                     f"| `{f.function}` | {f.perplexity:.3f} | {f.reference_perplexity:.3f} | {f.ratio:.3f} | {f.top1_agreement:.1%} |"
                 )
-    inspection = inspect_asset(Path(result.output)) if asset else inspect_package(Path(result.output))
+    inspection = inspect_either(Path(result.output))
     estimate = memory_estimate(inspection)
     rows = budget_rows(inspection, estimate, list(DEVICES)) if estimate is not None else []
     if rows:
@@ -189,7 +187,7 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
     ]
     for path, digest in hashes.items():
         lines.append(f"| `{path.split('/', 1)[1]}` | `{digest}` |")
-    versions = coreai_versions(library_versions()) if asset else library_versions()
+    versions = library_versions(core_ai=asset)
     lines += [
         "",
         "## Provenance",

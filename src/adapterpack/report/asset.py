@@ -18,7 +18,7 @@ from typing import Any
 from adapterpack.mlpackage import aimodel
 from adapterpack.mlpackage.functions import read_functions
 from adapterpack.mlpackage.metadata import METADATA_PREFIX
-from adapterpack.report.inspect import ModelShape
+from adapterpack.report.inspect import ModelShape, PackageReport, inspect_package
 
 # Core AI ops that decompress a stored constant, by the manifest's method they carry out.
 COMPRESSED_OPS = {"lut_to_dense": "palettize", "blockwise_shift_scale": "linear", "sparse_with_bitmask_to_dense": "prune"}
@@ -76,36 +76,44 @@ def _shape(report_states: list, metadata: dict[str, str]) -> ModelShape | None:
     key_cache = states.get("keyCache")
     if key_cache is None:
         return None
-    dims = [int(d) for d in key_cache.shape.strip("()").split(", ")]
+    dims = aimodel.dims_of(key_cache.shape)
     if len(dims) != 5:
         return None
+    kv_bytes = _DTYPE_BYTES.get(key_cache.dtype, 2)
     other = sum(
-        math.prod(int(d) for d in f.shape.strip("()").split(", ")) * _DTYPE_BYTES.get(f.dtype, 2)
+        math.prod(aimodel.dims_of(f.shape)) * _DTYPE_BYTES.get(f.dtype, 2)
         for name, f in states.items()
         if name not in ("keyCache", "valueCache")
     )
     sizes = json.loads(metadata.get(METADATA_PREFIX + "shape", "{}"))
+    # The asset's cache has a slot no call reaches (convert.coreai): the context is one less ...
+    max_context = int(metadata.get(METADATA_PREFIX + "maxContext", dims[3] - 1))
+    spare_slots = dims[3] - max_context
     return ModelShape(
         n_layers=dims[0],
         n_kv_heads=dims[2],
         head_dim=dims[4],
-        # The asset's cache has one slot no call reaches (convert.coreai): the context is one less.
-        max_context=int(metadata.get(METADATA_PREFIX + "maxContext", dims[3] - 1)),
-        kv_dtype_bytes=_DTYPE_BYTES.get(key_cache.dtype, 2),
+        max_context=max_context,
+        kv_dtype_bytes=kv_bytes,
         vocab=sizes.get("vocab"),
         hidden=sizes.get("hidden"),
         n_heads=sizes.get("n_heads"),
         intermediate=sizes.get("intermediate"),
-        # ... but makeState() allocates it: counted with the other states.
-        other_state_bytes=other + 2 * (math.prod(dims) // dims[3]) * _DTYPE_BYTES.get(key_cache.dtype, 2),
+        # ... but makeState() allocates it: counted with the other states (keys and values).
+        other_state_bytes=other + 2 * spare_slots * (math.prod(dims) // dims[3]) * kv_bytes,
     )
+
+
+def inspect_either(path: Path | str) -> AssetReport | PackageReport:
+    """``inspect_asset`` for a ``.aimodel``, ``inspect_package`` for a ``.mlpackage``."""
+    return inspect_asset(path) if aimodel.is_asset(path) else inspect_package(path)
 
 
 def inspect_asset(path: Path | str) -> AssetReport:
     """Entry points, storage and memory needs of a ``.aimodel``; BadInput when unreadable."""
     path = Path(path)
     listing = read_functions(path)
-    statistics = aimodel.asset_statistics(path)
+    statistics = aimodel.asset_summary(path, statistics=True)
     described = json.loads(listing.metadata.get(METADATA_PREFIX + "functions", "{}"))
     files = {f.relative_to(path).as_posix(): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
     program_bytes = files.get(aimodel.PROGRAM_FILE, 0)
