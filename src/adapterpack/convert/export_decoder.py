@@ -38,6 +38,36 @@ MASK_NEGATIVE = -1.0e4
 # Name of the state that marks written cache slots (1.0) against never-written ones (0.0, the
 # value Core ML and the executor give a fresh state).
 WRITTEN_SLOTS = "writtenSlots"
+# Smallest row maximum an RMS norm divides by (2^-10): keeps eps / m / m finite in float16
+# (at most eps * 2^20) while leaving the normalized row exact (see ``rms_norm``).
+NORM_FLOOR = 2.0**-10
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm`` (an HF RMSNorm: ``weight``, ``variance_epsilon``) of ``x``, exact in float16.
+
+    Pretrained checkpoints carry "massive activations" (Sun et al., 2024): residual entries in
+    the tens of thousands, whose mean square (10^6 on SmolLM2-135M) overflows float16's 65504.
+    transformers upcasts to float32 inside the norm, but a float16 Core ML conversion drops that
+    cast, so ``pow -> reduce_mean`` gives inf and the token's state becomes zero. RMSNorm is
+    invariant to the row's scale, so divide by the row's largest magnitude m first:
+    ``x / sqrt(mean(x^2) + eps) == (x/m) / sqrt(mean((x/m)^2) + eps/m^2)``, where every
+    intermediate lies in [0, 1] (the mean is at least 1/n) or is bounded by eps / m^2. Chosen over
+    the ``layer_norm([x, -x])`` form of Neural-Engine exporters because its safety does not
+    depend on how a backend accumulates inside ``layer_norm``: each op here is exact in any
+    float16 arithmetic, and all of them (abs, reduce_max, real_div, reduce_mean, rsqrt) are
+    plain elementwise or reduction ops that the CPU, GPU and Neural Engine run.
+    """
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    # transformers' own structure: float32 inside, the input's dtype out (a float16 torch model
+    # traces to a float16 program either way; Core ML's float16 pass narrows the inside too).
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    largest = x.abs().amax(dim=-1, keepdim=True).clamp(min=NORM_FLOOR)
+    scaled = x / largest
+    # eps / m / m, not eps / m^2: m^2 would overflow for m > 256.
+    variance = (scaled * scaled).mean(dim=-1, keepdim=True) + (eps / largest) / largest
+    return norm.weight * (scaled * torch.rsqrt(variance)).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -168,8 +198,8 @@ class ExportDecoder(nn.Module):
         k = attn.k_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
         v = attn.v_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head before rope
-            q = attn.q_norm(q)
-            k = attn.k_norm(k)
+            q = rms_norm(attn.q_norm, q)
+            k = rms_norm(attn.k_norm, k)
         q = self._rotate(q.transpose(1, 2), cos, sin)
         k = self._rotate(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
@@ -199,10 +229,10 @@ class ExportDecoder(nn.Module):
         bias = self._attention_bias(inputIds, start, end, causalMask).to(hidden.dtype)
         for idx, layer in enumerate(body.layers):
             residual = hidden
-            hidden = layer.input_layernorm(hidden)
+            hidden = rms_norm(layer.input_layernorm, hidden)
             hidden = residual + self._attend(idx, layer.self_attn, hidden, cos, sin, bias, start, end)
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = body.norm(hidden)
+            hidden = residual + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
+        hidden = rms_norm(body.norm, hidden)
         logits = self.hf.lm_head(hidden)
         return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
