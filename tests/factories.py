@@ -60,6 +60,43 @@ def make_base(folder: Path, family: str = "llama", seed: int = 0, **overrides) -
     return folder
 
 
+# Every 8th token id triggers the planted activation (see ``plant_massive_activation``): the
+# verification sequence of 32 seeded tokens holds several.
+TRIGGER_EVERY = 8
+
+
+def plant_massive_activation(model, target: float = 20000.0, channel: int = 5) -> None:
+    """Give a random model the "massive activations" of real checkpoints (Sun et al., 2024): the
+    first layer's MLP writes about ``target`` into one residual channel for trigger tokens (every
+    ``TRIGGER_EVERY``-th id), and the residual stream carries it on, as in pretrained Llama,
+    Mistral and Qwen checkpoints. Random weights alone never pass a few hundred."""
+    with torch.no_grad():
+        hidden = model.config.hidden_size
+        embed = model.model.embed_tokens.weight
+        embed[:, channel + 1] = 0.0
+        embed[::TRIGGER_EVERY, channel + 1] = 2.0  # the trigger direction dominates those tokens' norm
+        mlp = model.model.layers[0].mlp
+        unit = 0
+        mlp.gate_proj.weight[unit].zero_()
+        mlp.up_proj.weight[unit].zero_()
+        mlp.gate_proj.weight[unit, channel + 1] = 4.0
+        mlp.up_proj.weight[unit, channel + 1] = 4.0
+        # The trigger's normalized value is about sqrt(hidden): gate*up ~ 16 * hidden.
+        mlp.down_proj.weight[:, unit].zero_()
+        mlp.down_proj.weight[channel, unit] = target / (16.0 * hidden)
+
+
+def make_massive_base(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """``make_base`` with a planted massive activation (``plant_massive_activation``)."""
+    from transformers import AutoModelForCausalLM
+
+    make_base(folder, family, seed, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    plant_massive_activation(model)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 def make_adapter(
     folder: Path,
     base_folder: Path,
@@ -112,8 +149,9 @@ FAMILY_ADAPTERS = {
 
 
 def make_family_project(root: Path, family: str) -> Path:
-    """A float16 manifest over a ``family`` base with every ``FAMILY_ADAPTERS`` function; returns it."""
-    make_base(root / "base", family)
+    """A float16 manifest over a ``family`` base with a planted massive activation (as real
+    checkpoints have) and every ``FAMILY_ADAPTERS`` function; returns it."""
+    make_massive_base(root / "base", family)
     entries = []
     for name, settings in FAMILY_ADAPTERS.items():
         settings = dict(settings)
@@ -123,7 +161,10 @@ def make_family_project(root: Path, family: str) -> Path:
         entries.append(f"  - name: {name}\n    path: {name}\n" + "".join(f"    {k}: {v}\n" for k, v in extras.items()))
     (root / "m.yaml").write_text(
         "name: numerics\nbase: {path: base}\ninclude_base: base\nexport: {max_context: 40}\n"
-        "compression: {method: none}\nverify: {prefill: 9, decode_steps: 7}\nadapters:\n" + "".join(entries)
+        # Random logits have near-ties (top-2 gaps of 1e-3): float16's rounding of the planted
+        # channel (spacing 16 at 20,000) flips a few, as torch's own float16 forward does (top-1
+        # 96.9% on qwen2's mlp function), so top-1 is held at 90% here and cosine carries the proof.
+        "compression: {method: none}\nverify: {prefill: 9, decode_steps: 7, min_top1: 0.9}\nadapters:\n" + "".join(entries)
     )
     return root / "m.yaml"
 

@@ -2,7 +2,9 @@
 
 Each package (the session's ``family_build``, see conftest.py) is executed (prefill + decode
 through the states) on the numpy ML Program executor and compared with PyTorch; uncompressed
-functions must reach top-1 >= 99% and cosine >= 0.999.
+functions must reach cosine >= 0.9999 under both drives. Each base carries a planted massive
+activation (about 20,000 in one residual channel, as pretrained checkpoints do), which overflows
+float16 unless every norm is exported in a float16-safe form.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ def test_every_function_matches_unmerged_peft(family_build):
     assert report is not None and report.passed, report.verdict()
     assert {f.name for f in report.functions} == set(FAMILY_ADAPTERS) | {"base"}
     for function in report.functions:
-        assert function.top1 >= 0.99, (family, function)
-        assert function.cosine >= 0.999, (family, function)
+        assert function.top1 >= 0.9, (family, function)  # near-ties of random logits, see make_family_project
+        for drive, figures in function.by_drive.items():
+            assert figures["cosine"] >= 0.9999, (family, function.name, drive, figures)
         if function.name not in ("base", "zero"):
             # the adapters are non-identity, so the comparison is meaningful
             assert function.adapter_effect > 0.01, (family, function)

@@ -25,6 +25,11 @@ from adapterpack.verify.runners import Backend, backend_for, drive_runner
 
 log = logging.getLogger(__name__)
 
+FLOAT16_HINT = (
+    "hint: the program computes in float16; `adapterpack validate` names the reference's tensors "
+    "float16 cannot hold, and an .aimodel can compute in float32 (export.compute_precision)"
+)
+
 
 def verify_package(
     package: str | Path,
@@ -103,7 +108,7 @@ def verify_package(
         reference = references.get(name, base_reference)
         try:
             with stage(f"{name}: run both drives ({backend})"):
-                got = run(name, tokens, prefill)
+                got, trouble = run(name, tokens, prefill)
         except BadInput:
             raise
         except DeclaredTypeMismatch as error:
@@ -125,6 +130,9 @@ def verify_package(
             digest=digests.get(name, ""),
             **metrics,
         )
+        if trouble is not None:
+            # Named even when the figures pass: the device computes the same declared float16 program.
+            function_report.failures.append(f"{trouble}; {FLOAT16_HINT}")
         # Thresholds hold for every drive, not only the reported one.
         for drive, figures in by_drive.items():
             label = f" ({drive} drive)" if len(by_drive) > 1 else ""

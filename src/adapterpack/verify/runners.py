@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage import aimodel
 from adapterpack.quiet import captured_output, import_coremltools, native_output_captured
@@ -30,18 +32,61 @@ def backend_for(package: Path, backend: str) -> str:
     return CORE_AI_BACKEND if aimodel.is_asset(package) else backend
 
 
-def function_sessions(package: Path, backend: Backend = "numpy") -> Callable[[str], Callable[[], Predict]]:
-    """``open(function)`` loads one function (dropping the one loaded before, so a runner holds
-    one function's weights, not the package's) and returns ``new_session()``: a predict bound to
-    a fresh state, what ``makeState()`` gives a client."""
+class Sessions:
+    """``sessions(function)`` loads one function (dropping the one loaded before, so a runner
+    holds one function's weights, not the package's) and returns ``new_session()``: a predict
+    bound to a fresh state, what ``makeState()`` gives a client. ``float16_trouble(function)``
+    says where that function's arithmetic first overflowed float16 (or gave NaN) in the calls
+    so far, as far as the backend lets it be seen; None when it never did."""
+
+    def __init__(self, open_function: Callable[[str], Callable[[], Predict]], trouble: Callable[[str], str | None]):
+        self._open = open_function
+        self._trouble = trouble
+
+    def __call__(self, function: str) -> Callable[[], Predict]:
+        return self._open(function)
+
+    def float16_trouble(self, function: str) -> str | None:
+        return self._trouble(function)
+
+
+def _watching_logits(open_function: Callable[[str], Callable[[], Predict]], backend: str) -> Sessions:
+    """Sessions of a runtime whose ops cannot be seen: only non-finite logits are noticed."""
+    seen: dict[str, str] = {}
+
+    def watched(function: str) -> Callable[[], Predict]:
+        new_session = open_function(function)
+
+        def session() -> Predict:
+            predict = new_session()
+
+            def checked(ids, mask):
+                logits = predict(ids, mask)
+                if function not in seen and not np.isfinite(logits).all():
+                    kind = "NaN" if np.isnan(logits).any() else "inf"
+                    seen[function] = f"{backend} returned logits holding {kind} (its ops cannot be inspected)"
+                return logits
+
+            return checked
+
+        return session
+
+    return Sessions(watched, seen.get)
+
+
+def function_sessions(package: Path, backend: Backend = "numpy") -> Sessions:
+    """The ``Sessions`` of ``package`` on ``backend`` (an .aimodel always on Core AI's runtime)."""
     if aimodel.is_asset(package):
-        return _coreai_sessions(package)
+        return _watching_logits(_coreai_sessions(package), CORE_AI_BACKEND)
     if backend == "coreml":
-        return _coreml_sessions(package)
+        return _watching_logits(_coreml_sessions(package), "Core ML")
     loaded: dict[str, ProgramExecutor] = {}
+    troubles: dict[str, str] = {}
 
     def open_function(function: str) -> Callable[[], Predict]:
         if function not in loaded:
+            for executor in loaded.values():
+                troubles.update((name, found.describe()) for name, found in executor.nonfinite.items())
             loaded.clear()
             try:
                 loaded[function] = ProgramExecutor.load(package, functions=[function])
@@ -55,7 +100,13 @@ def function_sessions(package: Path, backend: Backend = "numpy") -> Callable[[st
 
         return new_session
 
-    return open_function
+    def trouble(function: str) -> str | None:
+        for executor in loaded.values():
+            if function in executor.nonfinite:
+                return executor.nonfinite[function].describe()
+        return troubles.get(function)
+
+    return Sessions(open_function, trouble)
 
 
 def _coreml_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
@@ -106,8 +157,6 @@ def _close_asset(loop, opened) -> None:
 
 def _coreai_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
     """Entry points of a Core AI asset on Core AI's runtime (the CPU off Apple devices)."""
-    import numpy as np
-
     summary = aimodel.asset_summary(package)  # BadInput without the [coreai] extra or for a broken asset
     from coreai.runtime import NDArray
 
@@ -138,10 +187,16 @@ def _coreai_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
     return open_function
 
 
-def drive_runner(package: Path, backend: Backend = "numpy"):
-    """``run(function, tokens, prefill)``: every drive's logits, each drive through a fresh state."""
+def drive_runner(package: Path, backend: Backend = "numpy") -> Callable[[str, np.ndarray, int], tuple[dict[str, np.ndarray], str | None]]:
+    """``run(function, tokens, prefill)``: (every drive's logits, each drive through a fresh
+    state; where float16 first overflowed in them, or None)."""
     if backend == "numpy" and not aimodel.is_asset(package):
         # A program the executor cannot read fails here, as the package, before any function runs.
         ProgramExecutor.function_names_of(package)
     sessions = function_sessions(package, backend)
-    return lambda function, tokens, prefill: run_drives(sessions(function), tokens, prefill)
+
+    def run(function: str, tokens: np.ndarray, prefill: int):
+        logits = run_drives(sessions(function), tokens, prefill)
+        return logits, sessions.float16_trouble(function)
+
+    return run

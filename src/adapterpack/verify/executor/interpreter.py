@@ -58,6 +58,46 @@ class _Step:
     dtypes: tuple[Any, ...]
     state: str = ""
     declared: tuple[_Declared | None, ...] = ()
+    attentions_before: int = 0  # attention ops ahead of this one: where in the decoder it sits
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """The first op of a function whose float output held inf or NaN although none of its inputs
+    did: where float16 arithmetic overflowed (a caller's -inf mask entries are inputs, not this)."""
+
+    function: str
+    op_type: str
+    label: str
+    attentions_before: int
+    attentions: int
+    kind: str  # "overflow" (inf) or "NaN"
+    largest_input: float  # the largest finite magnitude among its inputs
+    largest_output: float  # the largest finite magnitude it computed before the float16 cast
+
+    def describe(self) -> str:
+        where = f"after {self.attentions_before} of {self.attentions} attention ops" if self.attentions else "in the program"
+        sizes = f"its inputs reach {self.largest_input:.6g}"
+        if self.largest_output > 0:
+            sizes += f", its output {self.largest_output:.6g}"
+        return (
+            f"float16 {self.kind} first at op {self.op_type!r} (-> {self.label!r}) {where}: {sizes} "
+            f"(float16 holds at most 65504)"
+        )
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, np.ndarray) or value.dtype.kind != "f" or bool(np.isfinite(value).all())
+
+
+def _largest_finite(values: Sequence[Any]) -> float:
+    largest = 0.0
+    for value in values:
+        if isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.size:
+            magnitudes = np.abs(value[np.isfinite(value)])
+            if magnitudes.size:
+                largest = max(largest, float(magnitudes.max()))
+    return largest
 
 
 @dataclass(frozen=True)
@@ -147,6 +187,7 @@ class _Compiled:
     states: dict[str, tuple[tuple[int, ...], Any]]
     state_slots: dict[int, str]
     outputs: list[tuple[str, int]] = field(default_factory=list)
+    attentions: int = 0  # attention ops in the function (to say where an op sits)
 
 
 def _declared_dtype(var: Any) -> Any:
@@ -235,6 +276,8 @@ class ProgramExecutor:
             default_function = "main" if "main" in names else names[0]
         self._default = default_function
         self._compiled: dict[str, _Compiled] = {}
+        # {function: the first op whose float16 arithmetic overflowed}, from every predict so far.
+        self.nonfinite: dict[str, NonFinite] = {}
         # Fail at load time, before any work: callers decide up front whether this package can
         # be checked here at all.
         for name, func in program.functions.items():
@@ -343,9 +386,26 @@ class ProgramExecutor:
             if live[key].shape != shape:
                 raise ValueError(f"state {key!r} of function {name!r} has shape {live[key].shape}, expected {shape}")
         written: set[str] = set()
+        # Slots holding inf or NaN: an op is where float16 trouble starts only when its output
+        # has some and none of its inputs do.
+        tainted = {spec.slot for spec in compiled.inputs if not _finite(env[spec.slot])}
+        with np.errstate(all="ignore"):  # overflow is reported as a finding (see ``nonfinite``), not a warning
+            self._run_steps(name, compiled, env, live, written, tainted)
+
+        for key in written:
+            if state[key].shape == live[key].shape and state[key].dtype == live[key].dtype:
+                np.copyto(state[key], live[key])  # keep the caller's arrays
+            else:
+                state[key] = np.array(live[key])
+        return {out_name: np.asarray(env[slot]) for out_name, slot in compiled.outputs}
+
+    def _run_steps(self, name: str, compiled: _Compiled, env: list[Any], live: dict, written: set[str], tainted: set[int]) -> None:
+        """Run every run-time op of ``name``, noting where inf or NaN first arises."""
         for step in compiled.steps:
             if step.kind == _READ:
                 env[step.outs[0]] = live[step.state]
+                if not _finite(live[step.state]):
+                    tainted.add(step.outs[0])
                 continue
             if step.kind == _WRITE:
                 value = np.asarray(env[step.args[0][1]])  # type: ignore[index]
@@ -359,15 +419,26 @@ class ProgramExecutor:
                 live[step.state] = value
                 written.add(step.state)
                 env[step.outs[0]] = value
+                if step.args[0][1] in tainted:
+                    tainted.add(step.outs[0])
                 continue
-            self._run_step(step, env, name)
-
-        for key in written:
-            if state[key].shape == live[key].shape and state[key].dtype == live[key].dtype:
-                np.copyto(state[key], live[key])  # keep the caller's arrays
-            else:
-                state[key] = np.array(live[key])
-        return {out_name: np.asarray(env[slot]) for out_name, slot in compiled.outputs}
+            largest_output = self._run_step(step, env, name)
+            if all(_finite(env[slot]) for slot in step.outs):
+                continue
+            refs = [r for _, ref in step.args for r in (ref if isinstance(ref, tuple) else (ref,))]
+            tainted.update(step.outs)
+            if name not in self.nonfinite and not tainted.intersection(refs):
+                results = [env[slot] for slot in step.outs]
+                self.nonfinite[name] = NonFinite(
+                    function=name,
+                    op_type=step.op_type,
+                    label=step.label,
+                    attentions_before=step.attentions_before,
+                    attentions=compiled.attentions,
+                    kind="NaN" if any(np.isnan(r).any() for r in results if isinstance(r, np.ndarray)) else "overflow",
+                    largest_input=_largest_finite([env[r] for r in refs]),
+                    largest_output=largest_output,
+                )
 
     # ------------------------------------------------------------------ internals
 
@@ -382,7 +453,9 @@ class ProgramExecutor:
         return arr.astype(spec.dtype, copy=False) if spec.dtype is not None else arr
 
     @staticmethod
-    def _run_step(step: _Step, env: list[Any], function: str) -> None:
+    def _run_step(step: _Step, env: list[Any], function: str) -> float:
+        """Run one op into ``env``; returns the largest finite magnitude of a result that the cast
+        to its declared dtype made non-finite (0.0 otherwise)."""
         args: Args = {}
         for param, ref in step.args:
             args[param] = [env[i] for i in ref] if isinstance(ref, tuple) else env[ref]
@@ -394,6 +467,7 @@ class ProgramExecutor:
             exc.add_note(f"while running op {step.op_type!r} -> {step.label!r} in function {function!r}")
             raise
         results = result if len(step.outs) > 1 else (result,)
+        overflowed = 0.0
         for index, (slot, value, dtype) in enumerate(zip(step.outs, results, step.dtypes)):
             value = np.asarray(value)
             declared = step.declared[index] if index < len(step.declared) else None
@@ -403,8 +477,12 @@ class ProgramExecutor:
                     f"{declared.describe()} but computes {value.dtype} rank {value.ndim} {tuple(value.shape)}"
                 )
             if dtype is not None and value.dtype != dtype:
+                wide = value
                 value = value.astype(dtype)
+                if value.dtype.kind == "f" and not _finite(value) and _finite(wide):
+                    overflowed = max(overflowed, _largest_finite([wide]))
             env[slot] = value
+        return overflowed
 
     def _compile(self, function: str | None) -> _Compiled:
         """Resolve slots, fold every constant-only op (constexpr included) once, and cache."""
@@ -446,6 +524,7 @@ class ProgramExecutor:
             return _declared_of_var(var)
 
         steps: list[_Step] = []
+        attentions = 0
         # Constants read by constant-only ops alone (a palettized weight's indices and palette)
         # are let go as soon as their last reader is folded: a 3B model's indices are 3 GB,
         # and holding them beside the dense weights they fold into would add that to the peak.
@@ -499,7 +578,10 @@ class ProgramExecutor:
                 tuple(slot_of(o) for o in op.outputs),
                 tuple(_declared_dtype(o) for o in op.outputs),
                 declared=tuple(declared_of(o) for o in op.outputs),
+                attentions_before=attentions,
             )
+            if op.op_type == "scaled_dot_product_attention":
+                attentions += 1
             refs = [r for _, ref in arg_list for r in (ref if isinstance(ref, tuple) else (ref,))]
             if all(r in static for r in refs):
                 # Depends on constants only (constexpr decompression, casts of weights, shape
@@ -524,7 +606,7 @@ class ProgramExecutor:
         needed |= {slot for _, slot in outputs}
         env = [v if (i in needed or i not in static) else None for i, v in enumerate(env)]
 
-        compiled = _Compiled(steps, env, inputs, states, state_slots, outputs)
+        compiled = _Compiled(steps, env, inputs, states, state_slots, outputs, attentions)
         self._compiled[name] = compiled
         return compiled
 
