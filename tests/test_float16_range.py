@@ -74,3 +74,28 @@ def test_planted_activation_passes_and_the_unsafe_norm_fails_naming_the_overflow
     assert "after 1 of 2 attention ops" in message, message
     assert "cosine" in message  # the figures still fail, and say so
     assert not (tmp_path / "bad.mlpackage").exists()
+
+
+def test_values_float16_cannot_hold_are_refused_before_conversion(tmp_path):
+    """A residual past 65504 cannot be made safe by the export: build and validate --range refuse
+    it with exit 2 naming the module, before any conversion."""
+    from transformers import AutoModelForCausalLM
+
+    from adapterpack.build.pipeline import build as build_package
+    from factories import make_base, plant_massive_activation, run_cli
+
+    make_base(tmp_path / "base", "llama")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    plant_massive_activation(model, target=90000.0)
+    model.save_pretrained(tmp_path / "base")
+    (tmp_path / "m.yaml").write_text("name: big\nbase: {path: base}\ninclude_base: base\nadapters: []\nexport: {max_context: 16}\n")
+    from adapterpack.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"model\.layers\.0\.mlp\.down_proj \(output\) reaches 8\d{4}"):
+        build_package(tmp_path / "m.yaml", output=tmp_path / "big.mlpackage", options=BuildOptions(use_cache=False))
+    assert not (tmp_path / "big.mlpackage").exists()
+    result = run_cli("validate", tmp_path / "m.yaml", "--range")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "float16" in lines[-1] and "Traceback" not in result.stderr
+    assert run_cli("validate", tmp_path / "m.yaml").returncode == 0  # without --range: files only

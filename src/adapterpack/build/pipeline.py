@@ -29,6 +29,7 @@ from adapterpack.errors import BadInput, OutputExists, VerificationFailed
 from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_sizes
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
 from adapterpack.verify.package import verify_package
+from adapterpack.verify.ranges import check_float16_range
 from adapterpack.verify.reports import VERIFY_FORMAT
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def build(
     destination = manifest.output_path(output)
     if destination.exists() and not options.force:
         raise OutputExists(f"{destination} exists: pass --force to replace it")
-
+    check_reference_range(checked, reporter)
 
     cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
     cache = BuildCache(cache_dir) if options.use_cache else None
@@ -124,6 +125,16 @@ def build(
             f"{result.package_size / 2**20:.1f} MiB (the base stored once, adapters as float16 LoRA matrices)"
         )
     return result
+
+
+def check_reference_range(checked: CheckedInputs, reporter: Reporter) -> None:
+    """Refuse (exit 2) before any conversion when a float16 program would compute inf: a value
+    of some function's reference that float16 cannot hold (``verify.ranges``)."""
+    manifest = checked.manifest
+    if manifest.export.format == "aimodel" and manifest.export.compute_precision == "float32":
+        return
+    with reporter.stage(f"range check: {len(manifest.function_names)} reference(s) on a calibration prompt"):
+        check_float16_range(checked, manifest.function_names)
 
 
 def refuse_unless_passed(report, destination: Path) -> None:

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from adapterpack.build.pipeline import build as run_build
-from adapterpack.build.pipeline import build_function_part, merge_from_parts
+from adapterpack.build.pipeline import build_function_part, check_reference_range, merge_from_parts
 from adapterpack.build.records import BuildOptions
 from adapterpack.cli.boundary import configure_logging, error_boundary
 from adapterpack.cli.render import (
@@ -353,16 +353,26 @@ def validate(
     manifest: ManifestArg,
     allow_pickle: AllowPickleOption = False,
     strict: StrictOption = False,
+    check_range: Annotated[
+        bool,
+        typer.Option(
+            "--range",
+            help="Also run each function's PyTorch reference on a calibration prompt and name every value "
+            "float16 cannot hold (what build checks first; loads the base in torch)",
+        ),
+    ] = False,
 ) -> None:
     """Check a manifest, its base and its adapters without building anything.
 
-    Example: adapterpack validate manifests/demo.yaml --strict
+    Example: adapterpack validate manifests/demo.yaml --strict --range
     """
     configure_logging(quiet=False)
     with error_boundary():
 
         checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
         check_state_sizes(checked, strict=strict)
+        if check_range:
+            check_reference_range(checked, ConsoleReporter(False))
         m = checked.manifest
         out.print(
             f"{manifest}: ok: {len(m.function_names)} function(s) "

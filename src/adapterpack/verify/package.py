@@ -26,7 +26,7 @@ from adapterpack.verify.runners import Backend, backend_for, drive_runner
 log = logging.getLogger(__name__)
 
 FLOAT16_HINT = (
-    "hint: the program computes in float16; `adapterpack validate` names the reference's tensors "
+    "hint: the program computes in float16; `adapterpack validate --range` names the reference's values "
     "float16 cannot hold, and an .aimodel can compute in float32 (export.compute_precision)"
 )
 
