@@ -243,10 +243,16 @@ def generate(
     top_p: Annotated[float | None, typer.Option("--top-p", help="Sample among the most likely tokens holding this probability")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sampling")] = 0,
     compare: Annotated[bool, typer.Option("--compare", help="Also generate with the PyTorch reference (peft, unmerged, float32) and show where the two part")] = False,
+    chat: Annotated[
+        bool,
+        typer.Option("--chat", help="Send the prompt as a user message through the tokenizer's chat template, as swift-transformers' applyChatTemplate does"),
+    ] = False,
 ) -> None:
     """Continue a prompt with one function, driven exactly as the Swift client drives it (prefill, then one token per call through its state).
 
     Example: adapterpack generate build/demo.mlpackage --function zen --prompt "Beautiful is" --manifest manifests/demo.yaml
+
+    Example: adapterpack generate build/smollm2.mlpackage -f pirate --chat --prompt "What is the moon?" -m manifests/smollm2.yaml
     """
     configure_logging(quiet=True)
     with error_boundary():
@@ -256,7 +262,7 @@ def generate(
         _check_backend(backend)
         checked = check_inputs(manifest) if manifest is not None else None
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        sys.stdout.write(prompt)
+        sys.stdout.write(f"user: {prompt}\nassistant: " if chat else prompt)
         sys.stdout.flush()
 
         def show(piece: str) -> None:
@@ -265,7 +271,7 @@ def generate(
 
         result = run_generate(
             package, function, prompt, checked=checked, backend=backend, sampling=sampling,
-            max_new_tokens=max_new_tokens, compare=compare, on_text=show,
+            max_new_tokens=max_new_tokens, compare=compare, chat=chat, on_text=show,
         )
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -211,11 +211,13 @@ def generate(
     sampling: Sampling = Sampling(),
     max_new_tokens: int = 64,
     compare: bool = False,
+    chat: bool = False,
     on_text: Callable[[str], None] | None = None,
 ) -> GenerateResult:
     """Continue ``prompt`` with ``function`` of ``package``, calling ``on_text`` with each
-    decoded piece as it comes; with ``compare``, also with its PyTorch reference (needs
-    ``checked``: the manifest's inputs) and where the two part."""
+    decoded piece as it comes; with ``chat``, answer it as a user message put through the
+    tokenizer's chat template as a Swift app does; with ``compare``, also with its PyTorch
+    reference (needs ``checked``: the manifest's inputs) and where the two part."""
     from adapterpack.evaluate.text import package_text
     from adapterpack.verify.runners import backend_for, function_sessions
 
@@ -223,7 +225,7 @@ def generate(
         raise BadInput("--compare needs --manifest: the reference is made from its base and adapters")
     text = package_text(package, checked)
     text.check_function(function)
-    prompt_ids = text.encode(prompt)
+    prompt_ids = text.encode_chat(prompt) if chat else text.encode(prompt)
     settings = dict(limit=text.max_tokens, eos=text.eos_ids, max_new_tokens=max_new_tokens, sampling=sampling)
     run = Generation(PackageStream(function_sessions(package, backend)(function)), prompt_ids, **settings)
     pieces = TextStream(text.tokenizer)

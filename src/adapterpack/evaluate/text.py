@@ -27,6 +27,7 @@ class PackageText:
     eos_ids: frozenset[int]
     max_context: int
     manifest: object | None = None  # the Manifest the package is run against, if any
+    folder: Path | None = None  # where the tokenizer files are
 
     @property
     def max_tokens(self) -> int:
@@ -44,6 +45,46 @@ class PackageText:
         ids = list(self.tokenizer(text).input_ids)
         if not ids:
             raise BadInput(f"{where}: the text encodes to no tokens")
+        return ids
+
+    def chat_template(self) -> str:
+        """The chat template swift-transformers renders (Hub.swift, LanguageModelConfigurationFromHub
+        at eec09bd): ``chat_template.jinja`` first, then ``chat_template.json``, then
+        ``tokenizer_config.json``'s ``chat_template`` (a list: the entry named ``default``)."""
+        import json
+
+        folder = self.folder or Path(".")
+        try:
+            if (folder / "chat_template.jinja").is_file():
+                return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            for name in ("chat_template.json", "tokenizer_config.json"):
+                if (folder / name).is_file():
+                    found = json.loads((folder / name).read_text(encoding="utf-8")).get("chat_template")
+                    if isinstance(found, list):
+                        found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+                    if isinstance(found, str):
+                        return found
+        except (OSError, ValueError, AttributeError) as error:
+            raise BadInput(f"{folder}: the chat template cannot be read: {error}") from None
+        raise BadInput(f"{folder}: the tokenizer has no chat template (chat_template.jinja or a chat_template entry); drop --chat")
+
+    def encode_chat(self, message: str, *, where: str = "--prompt") -> list[int]:
+        """``message`` as one user turn, as swift-transformers' ``applyChatTemplate(messages:)``
+        makes it (TokenizersTemplates.swift at eec09bd): the template rendered with ``messages``,
+        ``add_generation_prompt: true`` and the tokenizer's special tokens, then encoded with
+        ``addSpecialTokens: false`` (no BOS added: the template writes what it needs)."""
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": message}], chat_template=self.chat_template(),
+                add_generation_prompt=True, tokenize=False,
+            )
+        except BadInput:
+            raise
+        except Exception as error:  # jinja2's errors: a template this tokenizer cannot render
+            raise BadInput(f"{self.folder}: the chat template cannot be rendered: {type(error).__name__}: {error}") from None
+        ids = list(self.tokenizer(rendered, add_special_tokens=False).input_ids)
+        if not ids:
+            raise BadInput(f"{where}: the chat prompt encodes to no tokens")
         return ids
 
 
@@ -97,7 +138,9 @@ def package_text(package: str | Path, checked=None) -> PackageText:
         max_context = int(listing.metadata["co.adapterpack.maxContext"])
     except (KeyError, ValueError):
         raise BadInput(f"{package}: not built by adapterpack (no maxContext in its metadata)") from None
-    return PackageText(package, listing.names, tokenizer, frozenset(eos), max_context, checked.manifest if checked is not None else None)
+    return PackageText(
+        package, listing.names, tokenizer, frozenset(eos), max_context, checked.manifest if checked is not None else None, folder
+    )
 
 
 # Bytes that do not occur in text: a file holding them is binary.

@@ -86,6 +86,15 @@ class NonFinite:
         )
 
 
+# Ops that only move or select values: finite inputs give a finite output, so their (often
+# cache-sized) outputs are not scanned; they carry their inputs' inf or NaN along.
+_MOVES_VALUES = frozenset({
+    "slice_update", "slice_by_index", "slice_by_size", "reshape", "transpose", "expand_dims", "squeeze",
+    "concat", "stack", "split", "tile", "gather", "gather_along_axis", "gather_nd", "identity", "flatten2d",
+    "reverse", "pad", "scatter", "scatter_along_axis", "scatter_nd",
+})
+
+
 def _finite(value: Any) -> bool:
     return not isinstance(value, np.ndarray) or value.dtype.kind != "f" or bool(np.isfinite(value).all())
 
@@ -401,10 +410,13 @@ class ProgramExecutor:
 
     def _run_steps(self, name: str, compiled: _Compiled, env: list[Any], live: dict, written: set[str], tainted: set[int]) -> None:
         """Run every run-time op of ``name``, noting where inf or NaN first arises."""
+        state_finite: dict[str, bool] = {}  # each state scanned once per call, when first read
         for step in compiled.steps:
             if step.kind == _READ:
                 env[step.outs[0]] = live[step.state]
-                if not _finite(live[step.state]):
+                if step.state not in state_finite:
+                    state_finite[step.state] = _finite(live[step.state])
+                if not state_finite[step.state]:
                     tainted.add(step.outs[0])
                 continue
             if step.kind == _WRITE:
@@ -419,13 +431,18 @@ class ProgramExecutor:
                 live[step.state] = value
                 written.add(step.state)
                 env[step.outs[0]] = value
-                if step.args[0][1] in tainted:
+                state_finite[step.state] = step.args[0][1] not in tainted
+                if not state_finite[step.state]:
                     tainted.add(step.outs[0])
                 continue
             largest_output = self._run_step(step, env, name)
+            refs = [r for _, ref in step.args for r in (ref if isinstance(ref, tuple) else (ref,))]
+            if step.op_type in _MOVES_VALUES:
+                if tainted.intersection(refs):
+                    tainted.update(step.outs)
+                continue
             if all(_finite(env[slot]) for slot in step.outs):
                 continue
-            refs = [r for _, ref in step.args for r in (ref if isinstance(ref, tuple) else (ref,))]
             tainted.update(step.outs)
             if name not in self.nonfinite and not tainted.intersection(refs):
                 results = [env[slot] for slot in step.outs]
