@@ -178,3 +178,44 @@ def test_a_full_disk_while_copying_is_one_line_and_exit_4(capsys):
     message = capsys.readouterr().err.strip()
     assert message.count("\n") == 0, message
     assert "out of disk space" in message and "/tmp/src/a.bin" in message and "1 more file" in message
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["base", "chat", "h.yaml", "notes", "base/inside.mlpackage"])
+def test_an_output_over_an_input_or_a_foreign_folder_is_refused_even_with_force(project, target):
+    """Data loss: an output naming the base, an adapter, the manifest, a folder of the user's
+    (no package marker inside) or a place inside an input is refused with exit 2; nothing changes."""
+    from factories import run_cli
+
+    (project / "notes").mkdir(exist_ok=True)
+    (project / "notes" / "todo.txt").write_text("keep me")
+    before = {name: _tree(project / name) if (project / name).is_dir() else (project / name).read_bytes() for name in ("base", "chat", "notes", "h.yaml")}
+    result = run_cli("build", project / "h.yaml", "-o", project / target, "--force", "--no-verify")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "head_dim" not in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    after = {name: _tree(project / name) if (project / name).is_dir() else (project / name).read_bytes() for name in ("base", "chat", "notes", "h.yaml")}
+    assert after == before
+
+
+def test_an_internal_error_is_one_line_and_exit_1(project, monkeypatch):
+    """A bug anywhere inside a build (here: raised from the conversion) is the documented one-line
+    internal error with exit 1, not a second traceback from the error boundary."""
+    from typer.testing import CliRunner
+
+    from adapterpack.cli.app import app
+    from adapterpack.convert import coreml
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(coreml, "convert_decoder", broken)
+    monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
+    out = project / "fault.mlpackage"
+    result = CliRunner().invoke(app, ["build", str(project / "h.yaml"), "-o", str(out), "--no-verify", "--no-cache"])
+    assert result.exit_code == 1, result.output
+    assert "internal error: RuntimeError: injected fault" in result.output
+    assert "NameError" not in result.output and not out.exists()

@@ -27,6 +27,7 @@ from adapterpack.config.devices import lora_float16_bytes
 from adapterpack.config.manifest import Manifest, format_of
 from adapterpack.errors import BadInput, OutputExists, VerificationFailed
 from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_sizes
+from adapterpack.mlpackage.functions import written_by_adapterpack
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
 from adapterpack.verify.package import verify_package
 from adapterpack.verify.ranges import check_float16_range
@@ -72,8 +73,7 @@ def build(
     checked = checked.with_format(chosen_format(checked.manifest, output, options.package_format))
     manifest = checked.manifest
     destination = manifest.output_path(output)
-    if destination.exists() and not options.force:
-        raise OutputExists(f"{destination} exists: pass --force to replace it")
+    check_destination(destination, checked, force=options.force)
     check_reference_range(checked, reporter)
 
     cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
@@ -125,6 +125,31 @@ def build(
             f"{result.package_size / 2**20:.1f} MiB (the base stored once, adapters as float16 LoRA matrices)"
         )
     return result
+
+
+def check_destination(destination: Path, checked: CheckedInputs | None, *, force: bool) -> None:
+    """Refuse an output that is, holds or lies inside an input (base, adapter, manifest,
+    tokenizer), or that exists and is not a package adapterpack wrote, with or without --force;
+    an existing package of ours needs --force."""
+    target = Path(destination).resolve()
+    inputs: list[Path] = []
+    if checked is not None:
+        inputs = [checked.base.folder, *(info.folder for info in checked.adapters.values())]
+        if checked.manifest.source is not None:
+            inputs.append(Path(checked.manifest.source))
+    for given in inputs:
+        given = Path(given).resolve()
+        if target == given or target in given.parents or given in target.parents:
+            raise BadInput(f"{destination}: the output would be written over or into an input ({given}): choose another output")
+    if not (destination.exists() or destination.is_symlink()):
+        return
+    if not written_by_adapterpack(destination):
+        raise BadInput(
+            f"{destination} exists and is not a package adapterpack wrote: it is never replaced, even with --force; "
+            "choose another output or remove it yourself"
+        )
+    if not force:
+        raise OutputExists(f"{destination} exists: pass --force to replace it")
 
 
 def check_reference_range(checked: CheckedInputs, reporter: Reporter) -> None:
@@ -301,9 +326,8 @@ def merge_from_parts(
         raise BadInput(ASSET_WHOLE)
     parts = read_parts(Path(parts_dir))
     destination = Path(output).resolve()
-    if destination.exists() and not options.force:
-        raise OutputExists(f"{destination} exists: pass --force to replace it")
     checked = check_inputs(manifest, strict=options.strict) if manifest is not None else None
+    check_destination(destination, checked, force=options.force)
     if checked is not None and checked.base.content_hash != parts[0].record.base["sha256"]:
         raise BadInput(f"{parts_dir}: the parts were built from another base than {checked.manifest.source} names")
     report = None

@@ -6,6 +6,7 @@ with the traceback behind ``ADAPTERPACK_DEBUG=1``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -36,12 +37,21 @@ def configure_logging(quiet: bool) -> None:
         silence_libraries()
 
 
+# Set by the SIGINT handler (see below); read by the boundary's catch-all.
+_interrupted = False
+
+
 def _on_sigint(signum, frame) -> None:
     # Remember the interrupt: libraries (torch.jit) may wrap the KeyboardInterrupt in their own
     # error type on its way out, and Ctrl-C must still exit 130.
     global _interrupted
     _interrupted = True
     raise KeyboardInterrupt
+
+
+# errno values that are the machine's limits (exit 4) or a path the user gave (exit 2).
+_RESOURCE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+_INPUT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.ELOOP, errno.EEXIST, errno.EINVAL})
 
 
 def _first_copy_error(error: OSError) -> OSError:
@@ -85,9 +95,15 @@ def error_boundary() -> Iterator[None]:
         if _debug():
             raise
         error = _first_copy_error(error)
-        if getattr(error, "errno", None) == 28 or "[Errno 28]" in str(error):  # ENOSPC
+        code = getattr(error, "errno", None)
+        if code == errno.ENOSPC or "[Errno 28]" in str(error):
             err.print(f"[bold red]error:[/] out of disk space: {error}", highlight=False, soft_wrap=True)
             raise typer.Exit(4) from None
+        if code in _RESOURCE_ERRNOS or code in _INPUT_ERRNOS:
+            # The system's or the user's condition (a read-only or full disk, a path too long or
+            # not a folder), not a bug: the documented codes, with the path in the message.
+            err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            raise typer.Exit(4 if code in _RESOURCE_ERRNOS else 2) from None
         err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except Exception as error:  # noqa: BLE001 - the one place that catches everything

@@ -141,10 +141,19 @@ class ExportDecoder(nn.Module):
     """Stateful decoder forward: ``(inputIds, causalMask) -> logits``, cache in buffers."""
 
     def __init__(
-        self, hf_model, max_context: int, cache_dtype: torch.dtype = torch.float16, logits_dtype: torch.dtype | None = None
+        self,
+        hf_model,
+        max_context: int,
+        cache_dtype: torch.dtype = torch.float16,
+        logits_dtype: torch.dtype | None = None,
+        scaled_norms: bool = True,
     ):
         super().__init__()
         self.logits_dtype = logits_dtype  # the contract's output type when computing in another
+        # ``rms_norm`` for converters that narrow every op to float16 (coremltools); a converter
+        # that keeps transformers' float32 upcast inside the norm (coreai-torch) gets the model's
+        # own norm, already exact there.
+        self.norm = rms_norm if scaled_norms else (lambda norm, x: norm(x))
         self.shape = DecoderShape.from_config(hf_model.config)
         self.max_context = int(max_context)
         self.hf = hf_model
@@ -198,8 +207,8 @@ class ExportDecoder(nn.Module):
         k = attn.k_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
         v = attn.v_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head before rope
-            q = rms_norm(attn.q_norm, q)
-            k = rms_norm(attn.k_norm, k)
+            q = self.norm(attn.q_norm, q)
+            k = self.norm(attn.k_norm, k)
         q = self._rotate(q.transpose(1, 2), cos, sin)
         k = self._rotate(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
@@ -229,10 +238,10 @@ class ExportDecoder(nn.Module):
         bias = self._attention_bias(inputIds, start, end, causalMask).to(hidden.dtype)
         for idx, layer in enumerate(body.layers):
             residual = hidden
-            hidden = rms_norm(layer.input_layernorm, hidden)
+            hidden = self.norm(layer.input_layernorm, hidden)
             hidden = residual + self._attend(idx, layer.self_attn, hidden, cos, sin, bias, start, end)
             residual = hidden
-            hidden = residual + layer.mlp(rms_norm(layer.post_attention_layernorm, hidden))
-        hidden = rms_norm(body.norm, hidden)
+            hidden = residual + layer.mlp(self.norm(layer.post_attention_layernorm, hidden))
+        hidden = self.norm(body.norm, hidden)
         logits = self.hf.lm_head(hidden)
         return logits if self.logits_dtype is None else logits.to(self.logits_dtype)

@@ -96,6 +96,22 @@ def read_functions(package: str | Path) -> PackageFunctions:
     return PackageFunctions(path=path, functions=functions, default=default, metadata=metadata)
 
 
+def written_by_adapterpack(path: str | Path) -> bool:
+    """Whether ``path`` is a package adapterpack wrote (its own metadata keys are inside): the
+    only kind of existing output a build may replace, whatever its name ends with."""
+    path = Path(path)
+    try:
+        if aimodel.is_asset(path):
+            metadata = aimodel.asset_metadata(path)
+        elif path.is_dir() and not path.is_symlink():
+            metadata = dict(load_spec_file(spec_path(path)).description.metadata.userDefined)
+        else:
+            return False
+    except Exception:  # noqa: BLE001 - anything unreadable (no spec, bad protobuf, no access) is not ours
+        return False
+    return any(key.startswith(METADATA_PREFIX) for key in metadata)
+
+
 def _asset_functions(path: Path) -> PackageFunctions:
     """A Core AI asset's entry points, read with coreai-core; its default from our metadata."""
     summary = aimodel.asset_summary(path)
