@@ -8,6 +8,7 @@ missing converts it (about a minute) rather than skipping.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -89,8 +90,51 @@ def test_each_skill_answers_a_chat_as_its_reference_does(smollm2_float16, functi
 
 
 @pytest.mark.slow
-def test_real_checkpoint_float16_asset_is_exact(smollm2_base, tmp_path):
-    """The same functions as one Core AI .aimodel computing in float16, on Core AI's runtime."""
-    manifest = _manifest(tmp_path, smollm2_base, export=", format: aimodel")
-    result = build(manifest, options=BuildOptions(use_cache=False))
-    _assert_exact(result.verify_report)
+def test_a_compressed_package_adds_no_error_of_its_own(smollm2_base, tmp_path):
+    """4-bit palettized, the package computes what the same palettized weights compute in float32
+    torch (the palettes made in torch by the same k-means and store, as the .aimodel writer
+    does): what compression costs is the compression's, not the float16 program's."""
+    import numpy as np
+    import torch
+
+    from adapterpack.build.cache import FolderPalettes
+    from adapterpack.compress.coreai_weights import CoreAIWeights
+    from adapterpack.compress.palettes import PaletteStore
+    from adapterpack.convert.base_model import load_base, stored_weight_reader
+    from adapterpack.convert.coreai import swapped_modules
+    from adapterpack.convert.lora import applied_adapter
+    from adapterpack.verify.drives import run_drives, verification_tokens
+    from adapterpack.verify.metrics import compare_logits
+    from adapterpack.verify.reference import computed_in_float32
+    from adapterpack.verify.runners import function_sessions
+
+    adapters = REPO / "adapters" / "smollm2"
+    (tmp_path / "m.yaml").write_text(
+        f"name: q4\nbase: {{path: {smollm2_base}}}\nadapters: [{{name: shout, path: {adapters / 'shout'}}}]\n"
+        "include_base: base\nexport: {max_context: 48}\nverify: {prefill: 16, decode_steps: 8}\n"
+        "compression: {method: palettize, nbits: 4, keep_float16: [embed_tokens, lm_head]}\n"
+    )
+    result = build(tmp_path / "m.yaml", options=BuildOptions(use_cache=False, verify=False))
+    checked = check_inputs(tmp_path / "m.yaml")
+    manifest = checked.manifest
+    tokens = verification_tokens(int(checked.base.config["vocab_size"]), manifest.verify)[: manifest.export.max_context - 1]
+    sessions = function_sessions(result.output)
+    weights = CoreAIWeights(PaletteStore(FolderPalettes(tmp_path / "palettes")))
+    base = load_base(checked.base.folder, dtype="float16")
+    for name in ("shout", "base"):
+        adapter = manifest.adapter(name)
+        applied = (
+            applied_adapter(base, checked.adapters[name].folder, mode="fuse", scale=1.0, original_weight=stored_weight_reader(checked.base))
+            if adapter is not None
+            else contextlib.nullcontext(base)
+        )
+        with applied as model, torch.no_grad():
+            replacements = weights.replacements(model, manifest.compression_for(name), None)
+            assert len(replacements) >= 7 * 30, sorted(replacements)[:5]  # every projection of every layer
+            with swapped_modules(model, replacements), computed_in_float32(model):
+                reference = model(torch.from_numpy(tokens[None, :])).logits[0].float().numpy()
+        got = run_drives(sessions(name), tokens, manifest.verify.prefill)
+        for drive, logits in got.items():
+            figures = compare_logits(logits, reference)
+            assert figures["cosine"] >= 0.9999, (name, drive, figures)
+        assert np.isfinite(reference).all()

@@ -30,7 +30,7 @@ from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_
 from adapterpack.mlpackage.functions import written_by_adapterpack
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
 from adapterpack.verify.package import verify_package
-from adapterpack.verify.ranges import check_float16_range
+from adapterpack.verify.ranges import check_reference_values
 from adapterpack.verify.reports import VERIFY_FORMAT
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def check_reference_range(checked: CheckedInputs, reporter: Reporter) -> None:
     if manifest.export.format == "aimodel" and manifest.export.compute_precision == "float32":
         return
     with reporter.stage(f"range check: {len(manifest.function_names)} reference(s) on a calibration prompt"):
-        check_float16_range(checked, manifest.function_names)
+        check_reference_values(checked, manifest.function_names)
 
 
 def refuse_unless_passed(report, destination: Path) -> None:

@@ -120,7 +120,7 @@ def out_of_float16_range(checked, names: list[str]) -> list[OutOfRange]:
     return found
 
 
-def check_float16_range(checked, names: list[str]) -> None:
+def check_reference_values(checked, names: list[str]) -> None:
     """BadInput naming the reference tensors of ``names`` that float16 cannot hold (before any
     conversion: a float16 program would compute inf there)."""
     found = out_of_float16_range(checked, names)
