@@ -89,23 +89,45 @@ def test_each_skill_answers_a_chat_as_its_reference_does(smollm2_float16, functi
     assert answer.tokens == answer.reference_tokens, (answer.text, answer.reference_text)
 
 
+def _program_weights(package: Path, function: str, model) -> dict:
+    """{linear module: the dense weight the package's function computes with} (its constexpr
+    ops materialized by the executor), matched to the model's linear layers in program order;
+    each match is checked by shape and by closeness to the model's own weight."""
+    import numpy as np
+
+    from adapterpack.verify.executor import ProgramExecutor
+
+    compiled = ProgramExecutor.load(package, functions=[function])._compile(function)
+    dense = [compiled.env[dict(step.args)["weight"]] for step in compiled.steps if step.op_type == "linear"]
+    layers = model.config.num_hidden_layers
+    names = [
+        f"model.layers.{i}.{part}" for i in range(layers)
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    ] + ["lm_head"]
+    assert len(dense) == len(names), (len(dense), len(names))
+    modules = dict(model.named_modules())
+    found = {}
+    for name, weight in zip(names, dense):
+        own = modules[name].weight.detach().float().numpy()
+        weight = np.asarray(weight, np.float32)
+        assert weight.shape == own.shape, (name, weight.shape, own.shape)
+        assert np.abs(weight - own).mean() < 0.5 * np.abs(own).mean(), name  # this layer's weight, compressed
+        found[name] = weight
+    return found
+
+
 @pytest.mark.slow
 def test_a_compressed_package_adds_no_error_of_its_own(smollm2_base, tmp_path):
-    """4-bit palettized, the package computes what the same palettized weights compute in float32
-    torch (the palettes made in torch by the same k-means and store, as the .aimodel writer
-    does): what compression costs is the compression's, not the float16 program's."""
+    """4-bit palettized, each function computes what its own palettized weights (read from the
+    package) compute in float32 torch: what compression costs is the compression's, not the
+    float16 program's."""
     import numpy as np
     import torch
 
-    from adapterpack.build.cache import FolderPalettes
-    from adapterpack.compress.coreai_weights import CoreAIWeights
-    from adapterpack.compress.palettes import PaletteStore
     from adapterpack.convert.base_model import load_base, stored_weight_reader
-    from adapterpack.convert.coreai import swapped_modules
     from adapterpack.convert.lora import applied_adapter
     from adapterpack.verify.drives import run_drives, verification_tokens
     from adapterpack.verify.metrics import compare_logits
-    from adapterpack.verify.reference import computed_in_float32
     from adapterpack.verify.runners import function_sessions
 
     adapters = REPO / "adapters" / "smollm2"
@@ -119,22 +141,26 @@ def test_a_compressed_package_adds_no_error_of_its_own(smollm2_base, tmp_path):
     manifest = checked.manifest
     tokens = verification_tokens(int(checked.base.config["vocab_size"]), manifest.verify)[: manifest.export.max_context - 1]
     sessions = function_sessions(result.output)
-    weights = CoreAIWeights(PaletteStore(FolderPalettes(tmp_path / "palettes")))
-    base = load_base(checked.base.folder, dtype="float16")
+    base = load_base(checked.base.folder, dtype="float32")
     for name in ("shout", "base"):
-        adapter = manifest.adapter(name)
         applied = (
             applied_adapter(base, checked.adapters[name].folder, mode="fuse", scale=1.0, original_weight=stored_weight_reader(checked.base))
-            if adapter is not None
+            if manifest.adapter(name) is not None
             else contextlib.nullcontext(base)
         )
         with applied as model, torch.no_grad():
-            replacements = weights.replacements(model, manifest.compression_for(name), None)
-            assert len(replacements) >= 7 * 30, sorted(replacements)[:5]  # every projection of every layer
-            with swapped_modules(model, replacements), computed_in_float32(model):
+            modules = dict(model.named_modules())
+            saved = {}
+            for module, weight in _program_weights(result.output, name, model).items():
+                saved[module] = modules[module].weight.data
+                modules[module].weight.data = torch.from_numpy(weight)
+            try:
                 reference = model(torch.from_numpy(tokens[None, :])).logits[0].float().numpy()
+            finally:
+                for module, weight in saved.items():
+                    modules[module].weight.data = weight
+        assert np.isfinite(reference).all()
         got = run_drives(sessions(name), tokens, manifest.verify.prefill)
         for drive, logits in got.items():
             figures = compare_logits(logits, reference)
             assert figures["cosine"] >= 0.9999, (name, drive, figures)
-        assert np.isfinite(reference).all()
