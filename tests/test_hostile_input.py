@@ -219,3 +219,39 @@ def test_an_internal_error_is_one_line_and_exit_1(project, monkeypatch):
     assert result.exit_code == 1, result.output
     assert "internal error: RuntimeError: injected fault" in result.output
     assert "NameError" not in result.output and not out.exists()
+
+
+def _set_json(file: Path, key: str, value) -> None:
+    import json
+
+    data = json.loads(file.read_text())
+    data[key] = value
+    file.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("case", ["lora_alpha null", "target_modules 5", "hidden_size '128'", "scale nan", "config is a FIFO"])
+def test_bad_field_types_and_special_files_are_one_line_exit_2(project, tmp_path, case):
+    """Each once a traceback (or, for a FIFO, a hang): now validate names the file and exits 2."""
+    root = tmp_path / "p"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("*.mlpackage", ".adapterpack-cache", "notes"))
+    if case == "lora_alpha null":
+        _set_json(root / "chat" / "adapter_config.json", "lora_alpha", None)
+    elif case == "target_modules 5":
+        _set_json(root / "chat" / "adapter_config.json", "target_modules", 5)
+    elif case == "hidden_size '128'":
+        _set_json(root / "base" / "config.json", "hidden_size", "128")
+    elif case == "scale nan":
+        (root / "h.yaml").write_text(VALID.replace("scale: 1.0", "scale: .nan"))
+    else:
+        (root / "chat" / "adapter_config.json").unlink()
+        os.mkfifo(root / "chat" / "adapter_config.json")
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"}
+    result = subprocess.run(
+        [sys.executable, "-m", "adapterpack", "validate", str(root / "h.yaml")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 2, (case, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, (case, result.stderr)
+    named = "h.yaml" if case == "scale nan" else ("config.json" if "hidden" in case else "adapter_config.json")
+    assert named in lines[0], (case, lines[0])

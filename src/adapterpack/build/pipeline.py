@@ -131,6 +131,8 @@ def check_destination(destination: Path, checked: CheckedInputs | None, *, force
     """Refuse an output that is, holds or lies inside an input (base, adapter, manifest,
     tokenizer), or that exists and is not a package adapterpack wrote, with or without --force;
     an existing package of ours needs --force."""
+    if "\0" in str(destination):
+        raise BadInput(f"{str(destination)!r}: the output path holds a NUL byte")
     target = Path(destination).resolve()
     inputs: list[Path] = []
     if checked is not None:

@@ -21,6 +21,14 @@ def unsupported_message(model_type: object) -> str:
     return f"unsupported architecture {model_type!r}: supported are {names}"
 
 
+# Sizes the export reads as Python ints (a string or float here would fail deep in torch).
+SIZE_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+    "num_key_value_heads", "head_dim",
+)
+OPTIONAL_SIZES = frozenset({"num_key_value_heads", "head_dim"})
+
+
 def check_family(config: dict, config_file: Path) -> str:
     """Return the config's model_type, or raise BadInput naming the supported families."""
     model_type = config.get("model_type")
@@ -28,4 +36,10 @@ def check_family(config: dict, config_file: Path) -> str:
         raise BadInput(f"{config_file}: {unsupported_message(model_type)}")
     if config.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
         raise BadInput(f"{config_file}: partial rotary embeddings (partial_rotary_factor) are not supported")
+    for key in SIZE_FIELDS:
+        value = config.get(key)
+        # Required sizes must be there; optional ones (head_dim, num_key_value_heads) may be absent or null.
+        if (value is None and key in OPTIONAL_SIZES) or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            continue
+        raise BadInput(f"{config_file}: {key!r} must be a positive integer, found {value!r}")
     return model_type

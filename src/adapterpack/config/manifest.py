@@ -139,7 +139,9 @@ class Adapter(_Strict):
     format: Literal["peft", "mlx"] | None = Field(
         default=None, description="peft or mlx (mlx_lm.lora's folder); detected from the files when left out"
     )
-    scale: StrictFloat | StrictInt = Field(default=1.0, description="Multiplier on the adapter's LoRA scaling")
+    scale: StrictFloat | StrictInt = Field(
+        default=1.0, allow_inf_nan=False, description="Multiplier on the adapter's LoRA scaling (finite)"
+    )
     lora: Literal["fuse", "keep"] | None = Field(default=None, description="Override of the manifest-wide `lora`")
     compression: dict[str, Any] | None = Field(
         default=None, description="Per-function override of the manifest's `compression` block"

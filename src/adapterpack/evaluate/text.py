@@ -42,6 +42,7 @@ class PackageText:
             raise BadInput(f"{self.manifest.source}: no function {function!r}: the package is not built from this manifest")
 
     def encode(self, text: str, *, where: str = "--prompt") -> list[int]:
+        _check_utf8(text, where)
         ids = list(self.tokenizer(text).input_ids)
         if not ids:
             raise BadInput(f"{where}: the text encodes to no tokens")
@@ -73,6 +74,7 @@ class PackageText:
         makes it (TokenizersTemplates.swift at eec09bd): the template rendered with ``messages``,
         ``add_generation_prompt: true`` and the tokenizer's special tokens, then encoded with
         ``addSpecialTokens: false`` (no BOS added: the template writes what it needs)."""
+        _check_utf8(message, where)
         try:
             rendered = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": message}], chat_template=self.chat_template(),
@@ -86,6 +88,14 @@ class PackageText:
         if not ids:
             raise BadInput(f"{where}: the chat prompt encodes to no tokens")
         return ids
+
+
+def _check_utf8(text: str, where: str) -> None:
+    # Bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer can encode.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise BadInput(f"{where}: not UTF-8 text (character {error.start})") from None
 
 
 def tokenizer_folder(package: Path, checked=None) -> Path:

@@ -4,6 +4,7 @@ ranks, targets, trained-on base name) before any heavy work; nothing here import
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -71,6 +72,10 @@ def _pattern_key(patterns: Iterable[str], module: str, config_file: Path, field:
     return None
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _adapter_config(folder: Path) -> tuple[Path, dict]:
     """Load adapter_config.json and check the fields the shape checks rely on."""
     config_file = folder / "adapter_config.json"
@@ -95,6 +100,20 @@ def _adapter_config(folder: Path) -> tuple[Path, dict]:
         _is_uint(v) and v > 0 for v in rank_pattern.values()
     ):
         raise _bad(config_file, "'rank_pattern' must map module patterns to positive integer ranks")
+    alpha = config.get("lora_alpha", 8)
+    if not _is_number(alpha) or alpha <= 0:
+        raise _bad(config_file, f"'lora_alpha' must be a positive number, found {alpha!r}")
+    alpha_pattern = config.get("alpha_pattern") or {}
+    if not isinstance(alpha_pattern, dict) or not all(_is_number(v) and v > 0 for v in alpha_pattern.values()):
+        raise _bad(config_file, "'alpha_pattern' must map module patterns to positive numbers")
+    targets = config.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+        isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+    ):
+        raise _bad(config_file, f"'target_modules' must be a module name, a list of module names or null, found {targets!r}")
+    for flag in ("use_rslora", "use_dora", "lora_bias", "fan_in_fan_out"):
+        if not isinstance(config.get(flag, False), bool):
+            raise _bad(config_file, f"'{flag}' must be true or false, found {config[flag]!r}")
     modules_to_save = config.get("modules_to_save") or []
     if isinstance(modules_to_save, str):
         modules_to_save = [modules_to_save]

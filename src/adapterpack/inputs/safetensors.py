@@ -119,6 +119,9 @@ def sha256_files(files: Iterable[Path | str]) -> str:
 
 def _load_json_object(file: Path) -> dict:
     """Parse a JSON object file, turning every failure into a BadInput with line/column."""
+    if file.exists() and not file.is_dir() and not file.is_file():
+        # A FIFO or device would block the read (or never end): refuse it unopened.
+        raise _bad(file, "is not a regular file (a FIFO, socket or device); expected a JSON file")
     try:
         raw = file.read_bytes()
     except FileNotFoundError:
