@@ -255,3 +255,31 @@ def test_bad_field_types_and_special_files_are_one_line_exit_2(project, tmp_path
     assert len(lines) == 1 and "Traceback" not in result.stderr, (case, result.stderr)
     named = "h.yaml" if case == "scale nan" else ("config.json" if "hidden" in case else "adapter_config.json")
     assert named in lines[0], (case, lines[0])
+
+
+def test_adapter_weights_outside_target_modules_are_refused_not_dropped(project, tmp_path):
+    """q_proj tensors with target_modules [v_proj]: peft would load and ignore them, so the
+    function would silently lack part of the adapter. It is refused, naming the module."""
+    root = tmp_path / "p"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("*.mlpackage", ".adapterpack-cache", "notes"))
+    _set_json(root / "chat" / "adapter_config.json", "target_modules", ["v_proj"])
+    with pytest.raises(BadInput, match=r"do(es)? not target .*first: model\.layers\.0\.self_attn\.q_proj"):
+        check_inputs(root / "h.yaml")
+
+
+def test_release_refuses_a_broken_tokenizer_and_an_out_dir_that_is_a_file(tmp_path):
+    """Tokenizer files are loaded before a release ships them; --out-dir naming a file is bad input."""
+    from factories import run_cli
+
+    demo = Path(__file__).resolve().parents[1] / "adapters" / "demo" / "base"
+    shutil.copytree(demo, tmp_path / "base")
+    text = (tmp_path / "base" / "tokenizer.json").read_text()
+    (tmp_path / "base" / "tokenizer.json").write_text(text[: len(text) // 2])
+    (tmp_path / "m.yaml").write_text("name: t\nbase: {path: base}\nadapters: []\ninclude_base: base\nexport: {max_context: 16}\n")
+    result = run_cli("release", tmp_path / "m.yaml", "--out-dir", tmp_path / "dist")
+    assert result.returncode == 2 and "tokenizer" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "dist").exists() or not any((tmp_path / "dist").iterdir())
+    (tmp_path / "file").write_text("x")
+    result = run_cli("release", tmp_path / "m.yaml", "--out-dir", tmp_path / "file", "--no-bundle")
+    assert result.returncode == 2 and "names a file" in result.stderr, result.stderr
+    assert (tmp_path / "file").read_text() == "x"

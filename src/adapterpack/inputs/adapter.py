@@ -374,6 +374,26 @@ def _role_name(role: str) -> str:
     }[role]
 
 
+def _untargeted_weights(config: dict, lora_modules: set[str]) -> list[str]:
+    """Modules holding LoRA weights that a plain ``target_modules`` list (peft's suffix rule,
+    and ``layers_to_transform``) does not select: peft would load them and drop them."""
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or config.get("exclude_modules") or config.get("layers_pattern"):
+        return []
+    layers = config.get("layers_to_transform")
+    if isinstance(layers, int):
+        layers = [layers]
+    ignored = []
+    for module in sorted(lora_modules, key=_natural_key):
+        selected = any(module == t or module.endswith("." + t) for t in targets if isinstance(t, str))
+        if selected and isinstance(layers, list):
+            index = re.search(r"\.layers\.(\d+)\.", f".{module}.")
+            selected = index is None or int(index.group(1)) in layers
+        if not selected:
+            ignored.append(module)
+    return ignored
+
+
 def _untrained_targets(base: BaseInfo, config: dict, present: set[str]) -> list[str]:
     """Base modules the config's ``target_modules`` list selects but the weights do not cover.
 
@@ -466,6 +486,14 @@ def inspect_adapter(
             weight_file,
             f"missing LoRA weights for {len(missing)} module(s) that adapter_config.json targets, "
             f"first: {missing[0]} (the weights file does not match its config)",
+        )
+
+    ignored = _untargeted_weights(config, set(checker.lora))
+    if ignored:
+        raise _bad(
+            weight_file,
+            f"LoRA weights for {len(ignored)} module(s) that adapter_config.json does not target (peft would "
+            f"silently ignore them), first: {ignored[0]}; add them to target_modules or remove their tensors",
         )
 
     warnings: list[str] = []

@@ -20,7 +20,7 @@ from pathlib import Path
 from adapterpack.build.pipeline import build, chosen_format
 from adapterpack.build.records import BuildOptions, BuildResult, Reporter
 from adapterpack.build.staging import Staging
-from adapterpack.errors import OutOfResources, OutputExists
+from adapterpack.errors import BadInput, OutOfResources, OutputExists
 from adapterpack.inputs.checked import check_inputs
 from adapterpack.inputs.safetensors import sha256_files
 from adapterpack.mlpackage.aimodel import is_asset
@@ -107,6 +107,8 @@ def release(
 
     reporter = reporter or Reporter()
     out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"{out_dir}: --out-dir names a file; give a folder (it is created when missing)")
     checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
     package_format = chosen_format(checked.manifest, None, options.package_format)
     checked = checked.with_format(package_format)
