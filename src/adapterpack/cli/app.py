@@ -378,7 +378,7 @@ def validate(
         checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
         check_state_sizes(checked, strict=strict)
         if check_range:
-            check_reference_range(checked, ConsoleReporter(False))
+            check_reference_range(checked, ConsoleReporter(False), None)
         m = checked.manifest
         out.print(
             f"{manifest}: ok: {len(m.function_names)} function(s) "
