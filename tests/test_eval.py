@@ -80,6 +80,7 @@ def test_eval_bad_input_is_one_line_exit_2(demo, tmp_path):
         "the text file is empty": [empty],
         "not a text file": [binary],
         "--window 1": [fine, "--window", "1"],
+        "--window 0": [fine, "--window", "0"],  # once silently the default
         "no function 'nope'": [fine, "--function", "nope"],
         "cannot read": [tmp_path / "missing.txt"],
     }

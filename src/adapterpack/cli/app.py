@@ -287,7 +287,7 @@ def eval_command(
     ] = None,
     function: Annotated[list[str] | None, typer.Option("--function", "-f", help="Only this function (repeat for several)")] = None,
     window: Annotated[
-        int | None, typer.Option("--window", help="Tokens per sliding window, at least 2 (default max_context - 1; e.g. the model's training length)", min=2)
+        int | None, typer.Option("--window", help="Tokens per sliding window, 2 to max_context - 1 (default max_context - 1; e.g. the model's training length)")
     ] = None,
     backend: BackendOption = "numpy",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
@@ -325,7 +325,7 @@ def release(
     no_cache: NoCacheOption = False,
     no_bundle: Annotated[bool, typer.Option("--no-bundle", help="Skip the app-ready folder (package, tokenizer files, Swift enum, model card)")] = False,
     eval_text: Annotated[Path | None, typer.Option("--eval-text", help="Measure perplexity on this text for the model card (see `eval`)")] = None,
-    eval_window: Annotated[int | None, typer.Option("--eval-window", help="Tokens per eval window (see `eval --window`)", min=2)] = None,
+    eval_window: Annotated[int | None, typer.Option("--eval-window", help="Tokens per eval window (see `eval --window`)")] = None,
     quiet: QuietOption = False,
 ) -> None:
     """Build, verify and write reproducible release artifacts: NAME.mlpackage.zip, build-info.json, SHA256SUMS, and the app-ready folder NAME/.

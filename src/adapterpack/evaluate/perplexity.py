@@ -102,7 +102,7 @@ def evaluate(
     ids = np.array(text.encode(read_text_file(text_file), where=str(text_file)), np.int64)
     if len(ids) < 2:
         raise BadInput(f"{text_file}: one token is nothing to predict; give more text")
-    window = window or text.max_tokens
+    window = text.max_tokens if window is None else window  # 0 is refused below, not taken as the default
     if not 2 <= window <= text.max_tokens:
         raise BadInput(f"--window {window}: give 2 to {text.max_tokens} tokens (max_context - 1)")
     spans = windows(len(ids), window)
