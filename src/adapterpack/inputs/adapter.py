@@ -374,38 +374,42 @@ def _role_name(role: str) -> str:
     }[role]
 
 
-def _untargeted_weights(config: dict, lora_modules: set[str]) -> list[str]:
-    """Modules holding LoRA weights that a plain ``target_modules`` list (peft's suffix rule,
-    and ``layers_to_transform``) does not select: peft would load them and drop them."""
+def _plain_selection(config: dict):
+    """``selects(module)`` for a plain ``target_modules`` list (peft's suffix rule, and
+    ``layers_to_transform``), or None: regex strings, ``all-linear``, layer patterns and
+    exclusions are left to peft rather than re-implemented here."""
     targets = config.get("target_modules")
     if not isinstance(targets, list) or config.get("exclude_modules") or config.get("layers_pattern"):
-        return []
+        return None
     layers = config.get("layers_to_transform")
     if isinstance(layers, int):
         layers = [layers]
-    ignored = []
-    for module in sorted(lora_modules, key=_natural_key):
-        selected = any(module == t or module.endswith("." + t) for t in targets if isinstance(t, str))
-        if selected and isinstance(layers, list):
-            index = re.search(r"\.layers\.(\d+)\.", f".{module}.")
-            selected = index is None or int(index.group(1)) in layers
-        if not selected:
-            ignored.append(module)
-    return ignored
+
+    def selects(module: str) -> bool:
+        if not any(module == t or module.endswith("." + t) for t in targets if isinstance(t, str)):
+            return False
+        if layers is None:
+            return True
+        match = re.search(r"\.layers\.(\d+)\.", module)
+        return match is not None and int(match.group(1)) in layers
+
+    return selects
+
+
+def _untargeted_weights(config: dict, lora_modules: set[str]) -> list[str]:
+    """Modules holding LoRA weights that the config does not select: peft would load them and
+    drop them."""
+    selects = _plain_selection(config)
+    if selects is None:
+        return []
+    return [module for module in sorted(lora_modules, key=_natural_key) if not selects(module)]
 
 
 def _untrained_targets(base: BaseInfo, config: dict, present: set[str]) -> list[str]:
-    """Base modules the config's ``target_modules`` list selects but the weights do not cover.
-
-    Only plain lists are checked (peft's suffix rule); regex strings, ``all-linear``, layer
-    patterns and exclusions are left to peft rather than re-implemented here.
-    """
-    targets = config.get("target_modules")
-    if not isinstance(targets, list) or config.get("exclude_modules") or config.get("layers_pattern"):
+    """Base modules the config's ``target_modules`` list selects but the weights do not cover."""
+    selects = _plain_selection(config)
+    if selects is None:
         return []
-    layers = config.get("layers_to_transform")
-    if isinstance(layers, int):
-        layers = [layers]
     modules = sorted(
         {
             name[: -len(".weight")]
@@ -414,17 +418,7 @@ def _untrained_targets(base: BaseInfo, config: dict, present: set[str]) -> list[
         },
         key=_natural_key,
     )
-    missing = []
-    for module in modules:
-        if not any(module == t or module.endswith("." + t) for t in targets if isinstance(t, str)):
-            continue
-        if layers is not None:
-            match = re.search(r"\.layers\.(\d+)\.", module)
-            if match is None or int(match.group(1)) not in layers:
-                continue
-        if module not in present:
-            missing.append(module)
-    return missing
+    return [module for module in modules if selects(module) and module not in present]
 
 
 @os_errors_as_bad_input
