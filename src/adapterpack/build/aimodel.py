@@ -16,7 +16,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from adapterpack.build.builder import check_float16_range
+from adapterpack.build.builder import check_value_ranges
 from adapterpack.build.parts import PartRecord
 from adapterpack.build.records import FunctionRecord, Reporter
 from adapterpack.inputs.checked import CheckedInputs, hf_name
@@ -53,8 +53,7 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
     name_for_client = hf_name(checked)
     records = {name: PartRecord.for_function(checked, name, name_for_client) for name in names}
     try:
-        with reporter.stage("check that the weights fit float16"):
-            check_float16_range(checked, names, cache)
+        check_value_ranges(checked, names, reporter, cache)
         with reporter.stage(f"load base {manifest.base.path}"):
             base = load_base(checked.base.folder, dtype="float16")
         original_weight = stored_weight_reader(checked.base)

@@ -63,8 +63,7 @@ def build_parts(
                 reused.append(name)
         to_build = [name for name in names if name not in reused]
         if to_build:
-            with reporter.stage("check that the weights fit float16"):
-                check_float16_range(checked, to_build, cache)
+            check_value_ranges(checked, to_build, reporter, cache)
         for name in names:
             if name not in reused:
                 if builder is None:
@@ -83,6 +82,21 @@ def build_parts(
 
 # Bump when what the float16 range check computes changes.
 FLOAT16_CHECK = 1
+
+
+def check_value_ranges(checked: CheckedInputs, functions: list[str], reporter: Reporter, cache=None) -> None:
+    """Before converting ``functions``: their weights must fit float16, then (for a program
+    computing in float16) every value their references compute on a calibration prompt
+    (``verify.ranges``), so a weight beyond float16 is named as such, not by its activations."""
+    from adapterpack.verify.ranges import check_reference_values
+
+    with reporter.stage("check that the weights fit float16"):
+        check_float16_range(checked, functions, cache)
+    export = checked.manifest.export
+    if export.format == "aimodel" and export.compute_precision == "float32":
+        return
+    with reporter.stage(f"range check: {len(functions)} reference(s) on a calibration prompt"):
+        check_reference_values(checked, functions)
 
 
 def check_float16_range(checked: CheckedInputs, functions: list[str], cache=None) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from adapterpack.build.builder import (
     build_parts,
-    check_float16_range,
     folder_size,
     merge_parts,
     template_key,
@@ -31,7 +30,6 @@ from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_
 from adapterpack.mlpackage.functions import written_by_adapterpack
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
 from adapterpack.verify.package import verify_package
-from adapterpack.verify.ranges import check_reference_values
 from adapterpack.verify.reports import VERIFY_FORMAT
 
 log = logging.getLogger(__name__)
@@ -77,7 +75,6 @@ def build(
     check_destination(destination, checked, force=options.force)
     cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
     cache = BuildCache(cache_dir) if options.use_cache else None
-    check_reference_range(checked, reporter, cache)
     if manifest.export.format == "aimodel":
         return _build_asset(checked, destination, options, reporter, cache, started)
     with Staging(destination) as staging:
@@ -152,19 +149,6 @@ def check_destination(destination: Path, checked: CheckedInputs | None, *, force
         )
     if not force:
         raise OutputExists(f"{destination} exists: pass --force to replace it")
-
-
-def check_reference_range(checked: CheckedInputs, reporter: Reporter, cache=None) -> None:
-    """Refuse (exit 2) before any conversion when a float16 program would compute inf: a value
-    of some function's reference that float16 cannot hold (``verify.ranges``). The weights are
-    checked first: a weight beyond float16 is named as such, not by the activations it makes."""
-    manifest = checked.manifest
-    if manifest.export.format == "aimodel" and manifest.export.compute_precision == "float32":
-        return
-    with reporter.stage("check that the weights fit float16"):
-        check_float16_range(checked, manifest.function_names, cache)
-    with reporter.stage(f"range check: {len(manifest.function_names)} reference(s) on a calibration prompt"):
-        check_reference_values(checked, manifest.function_names)
 
 
 def refuse_unless_passed(report, destination: Path) -> None:

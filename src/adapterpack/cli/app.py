@@ -16,8 +16,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from adapterpack.build.builder import check_value_ranges
 from adapterpack.build.pipeline import build as run_build
-from adapterpack.build.pipeline import build_function_part, check_reference_range, merge_from_parts
+from adapterpack.build.pipeline import build_function_part, merge_from_parts
 from adapterpack.build.records import BuildOptions
 from adapterpack.cli.boundary import configure_logging, error_boundary
 from adapterpack.cli.render import (
@@ -378,7 +379,7 @@ def validate(
         checked = check_inputs(manifest, allow_pickle=allow_pickle, strict=strict)
         check_state_sizes(checked, strict=strict)
         if check_range:
-            check_reference_range(checked, ConsoleReporter(False), None)
+            check_value_ranges(checked, checked.manifest.function_names, ConsoleReporter(False))
         m = checked.manifest
         out.print(
             f"{manifest}: ok: {len(m.function_names)} function(s) "
