@@ -61,9 +61,9 @@ def test_family_op_types_all_have_executor_tests(family_build):
     "compression, lora",
     [
         ("{method: linear, nbits: 4}", "fuse"),
-        ("{method: linear, nbits: 8, granularity: per_channel}", "keep"),
+        pytest.param("{method: linear, nbits: 8, granularity: per_channel}", "keep", marks=pytest.mark.slow),
         ("{method: prune, sparsity: 0.4}", "fuse"),
-        ("{method: palettize, nbits: 4}", "keep"),
+        pytest.param("{method: palettize, nbits: 4}", "keep", marks=pytest.mark.slow),
     ],
 )
 def test_compressed_packages_run_and_their_ops_are_tested(tmp_path, compression, lora):

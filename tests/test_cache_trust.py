@@ -145,6 +145,7 @@ def test_reused_verdict_is_refused_when_the_bytes_differ(project, clean, tmp_pat
     assert {f.name for f in report.functions if f.reused} == {"code", "base"}
 
 
+@pytest.mark.slow
 def test_two_builds_share_one_cache_at_once(project, tmp_path):
     """Two builds writing one cache at the same time (two terminals, matrix jobs) never read
     each other's half-written entries and produce identical packages."""

@@ -84,6 +84,7 @@ def test_every_family_builds_as_an_asset(tmp_path, family):
     _assert_exact(result)
 
 
+@pytest.mark.slow
 def test_float16_compute_keeps_the_cosine(tmp_path):
     """Computing in float16 (the default): Core AI's CPU runtime rounds more than the Core ML
     executor, yet every function and drive stays at cosine >= 0.9999."""
@@ -132,6 +133,7 @@ def test_each_compression_method_maps_to_core_ai_ops(tmp_path):
     assert report.storage_elements.get("Float16", 0) >= 2 * 64 * 128
 
 
+@pytest.mark.slow
 def test_asset_stores_shared_weights_once(tmp_path):
     """Two fused adapters on q/v over a palettized base: the second entry point adds only its own
     q/v weights and graph, not another copy of the base."""
@@ -180,6 +182,7 @@ def test_an_altered_asset_fails_verification(llama_asset, tmp_path):
     assert "main.mlirb differs" in verified.stdout + verified.stderr
 
 
+@pytest.mark.slow
 def test_release_of_an_asset_is_reproducible(tmp_path):
     manifest = """name: rel
 base: {path: base}

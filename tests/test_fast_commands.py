@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from adapterpack.build.records import BuildOptions
-
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "peft", "coremltools")
 
@@ -28,11 +26,9 @@ print(json.dumps(sorted(name for name in {HEAVY!r} if name in sys.modules)))
 
 
 @pytest.fixture(scope="module")
-def package(tmp_path_factory):
-    from adapterpack.build.pipeline import build
-
-    out = tmp_path_factory.mktemp("fast")
-    return build(REPO / "manifests" / "demo-keep.yaml", output=out / "keep.mlpackage", options=BuildOptions(cache_dir=out / "c", verify=False)).output
+def package(demo):
+    """The session's demo package (conftest.py): these commands only read its spec."""
+    return demo.output
 
 
 @pytest.mark.parametrize("command", ["validate", "functions", "inspect", "schema"])

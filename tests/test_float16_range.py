@@ -10,7 +10,7 @@ import torch
 
 from adapterpack.build.pipeline import build
 from adapterpack.build.records import BuildOptions
-from adapterpack.convert import export_decoder
+from adapterpack.convert import coreml, export_decoder
 from adapterpack.errors import VerificationFailed
 from factories import make_adapter, make_massive_base
 
@@ -63,7 +63,9 @@ def test_planted_activation_passes_and_the_unsafe_norm_fails_naming_the_overflow
     for function in result.verify_report.functions:
         assert function.cosine >= 0.9999, function
 
+    # The old export: transformers' norm module as it is, every op narrowed to float16.
     monkeypatch.setattr(export_decoder, "rms_norm", lambda norm, x: norm(x))
+    monkeypatch.setattr(coreml, "compute_precision", lambda ct: ct.precision.FLOAT16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         with pytest.raises(VerificationFailed) as failed:

@@ -88,7 +88,7 @@ def _float16_bytes(tensors: dict, keep) -> int:
     return sum(2 * value.size for key, value in tensors.items() if keep(key))
 
 
-@pytest.mark.parametrize("which", ["fused", "kept", "palettized"])
+@pytest.mark.parametrize("which", ["fused", pytest.param("kept", marks=pytest.mark.slow), "palettized"])
 def test_numbers_add_up_to_the_bytes_on_disk(which, request):
     package = request.getfixturevalue(which)
     report = inspect_package(package)

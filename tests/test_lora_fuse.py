@@ -90,6 +90,7 @@ def test_modules_to_save_is_left_to_the_whole_model(base, tmp_path):
     assert fused_weight_changes(resolve_base(str(base), None, base.parent), info, scale=1.0) is None
 
 
+@pytest.mark.slow
 def test_modules_to_save_adapter_builds_and_verifies(base, tmp_path):
     """An adapter that replaces lm_head as well as adding LoRA: the fused function must carry
     the new lm_head (verify compares against peft's model with the adapter loaded)."""

@@ -216,6 +216,7 @@ compression: {method: palettize}
 """
 
 
+@pytest.mark.slow
 def test_kept_adapters_of_the_same_settings_are_patched_not_converted(tmp_path, monkeypatch):
     """A kept adapter with the same settings as one already built is patched into its part (its
     LoRA matrices replaced), byte-identical to converting it; one of other settings (rank) is

@@ -54,6 +54,7 @@ def test_cache_is_keyed_by_settings(project, full_build, tmp_path):
     assert rebuilt.reused == []
 
 
+@pytest.mark.slow
 def test_fan_out_parts_merge_to_the_same_package(project, full_build, tmp_path):
     parts = tmp_path / "parts"
     for name in ("base", "code", "chat"):  # any order, as separate CI jobs would finish

@@ -67,19 +67,19 @@ def _assert_exact(report, names: set[str], cosine: float = 0.9999, top1: float =
 
 def test_real_checkpoint_float16_fused_package_is_exact(smollm2_base, tmp_path):
     """The checkpoint's massive activations overflowed every norm of a float16 package before
-    (cosine 0.05); now a fused function and the base match float32 peft under both drives. The
-    bound is 0.9998: torch's own float16 forward of the fused shout reaches 0.99995 on these
-    tokens (one position at 0.9989), and the package's float16 attention weights cost a little more."""
+    (cosine 0.05); now a fused function and the base match float32 peft under both drives, as
+    the issue asks (cosine >= 0.9999, top-1 >= 99%). With every norm narrowed to float16 the fused
+    shout reached 0.99973 here (position 1, an attention sink, at 0.9949): the bound fails on it."""
     manifest = _manifest(tmp_path, smollm2_base, kept=False, decode_steps=4)
     result = build(manifest, output=tmp_path / "smollm2.mlpackage", options=BuildOptions(use_cache=False))
-    _assert_exact(result.verify_report, {"shout", "base"}, cosine=0.9998)
+    _assert_exact(result.verify_report, {"shout", "base"})
 
 
 @pytest.mark.slow
 def test_real_checkpoint_float16_package_is_exact_fused_and_kept(smollm2_float16):
     """shout fused, pirate kept (its LoRA branch in the program) and the base in one package."""
     _, result = smollm2_float16
-    _assert_exact(result.verify_report, {"shout", "pirate", "base"}, cosine=0.9998)
+    _assert_exact(result.verify_report, {"shout", "pirate", "base"})
 
 
 @pytest.mark.slow

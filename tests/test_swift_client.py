@@ -94,6 +94,7 @@ def test_family_functions_pass_verify_under_both_drives(family_build):
     assert_both_drives_pass(result.verify_report, min_top1=0.9)
 
 
+@pytest.mark.slow
 def test_sliding_window_shorter_than_the_sequence(tmp_path):
     """Mistral's sliding window counts positions, which the Swift client shifts by one."""
     make_base(tmp_path / "base", "mistral", sliding_window=8)
@@ -138,11 +139,13 @@ def demo_float16(tmp_path_factory):
         manifest.unlink()
 
 
+@pytest.mark.slow
 def test_demo_functions_match_peft_under_the_swift_client(demo_float16):
     demo = REPO / "adapters" / "demo"
     adapters = {"code": demo / "code", "docs": demo / "docs", "zen": demo / "zen", "base": None}
     check_like_the_swift_client(demo_float16[1].output, demo / "base", adapters, vocab=256)
 
 
+@pytest.mark.slow
 def test_demo_functions_pass_verify_under_both_drives(demo_float16):
     assert_both_drives_pass(demo_float16[1].verify_report)

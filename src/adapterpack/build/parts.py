@@ -29,7 +29,7 @@ PART_SUFFIX = ".part.json"
 
 # Bump when the program a part holds changes for the same inputs (export_decoder, convert), so
 # cached parts and converted bases from before are not reused.
-PART_FORMAT = 3
+PART_FORMAT = 4
 
 
 # Fields every part of one package must agree on.
