@@ -283,3 +283,244 @@ def test_release_refuses_a_broken_tokenizer_and_an_out_dir_that_is_a_file(tmp_pa
     result = run_cli("release", tmp_path / "m.yaml", "--out-dir", tmp_path / "file", "--no-bundle")
     assert result.returncode == 2 and "names a file" in result.stderr, result.stderr
     assert (tmp_path / "file").read_text() == "x"
+
+
+class _FaultAt:
+    """A trace hook that counts calls into adapterpack's own code and raises ``RuntimeError`` at
+    call number ``at`` (None: only counts). The exception surfaces inside that function, as a
+    bug there would."""
+
+    SOURCE = str(Path(__file__).resolve().parents[1] / "src" / "adapterpack")
+
+    def __init__(self, at: int | None = None):
+        self.at, self.calls, self.where = at, 0, None
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(self.SOURCE):
+            self.calls += 1
+            if self.calls == self.at:
+                self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"
+                raise RuntimeError("injected fault")
+        return None
+
+    def run(self, args: list[str]):
+        from typer.testing import CliRunner
+
+        from adapterpack.cli.app import app
+
+        sys.settrace(self)
+        try:
+            return CliRunner().invoke(app, args)
+        finally:
+            sys.settrace(None)
+
+
+def test_a_fault_at_a_random_point_of_a_build_is_one_line_exit_1_and_the_previous_output_survives(project, tmp_path, monkeypatch):
+    """A RuntimeError raised inside any adapterpack function a build calls (seeded random points
+    over the whole build: checks, conversion, compression, merge, staging) gives the one-line
+    internal error and exit 1; the package a previous build wrote is left byte for byte."""
+    import random
+
+    from factories import tree_digest
+
+    monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
+    root = tmp_path / "p"
+    shutil.copytree(project, root, ignore=shutil.ignore_patterns("*.mlpackage", ".adapterpack-cache", "notes", "fault*"))
+    out = root / "out.mlpackage"
+    args = ["build", str(root / "h.yaml"), "-o", str(out), "--no-verify", "--no-cache", "--force", "--quiet"]
+    counted = _FaultAt()
+    assert counted.run(args).exit_code == 0
+    previous, inputs = tree_digest(out), {name: tree_digest(root / name) for name in ("base", "chat")}
+    assert counted.calls > 100  # the hook sees the build's own code
+    for at in sorted(random.Random(25).sample(range(1, counted.calls + 1), 4)):
+        fault = _FaultAt(at)
+        result = fault.run(args)
+        assert fault.where is not None, at
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 1, (fault.where, result.output)
+        assert "internal error: RuntimeError: injected fault" in lines[-1], (fault.where, result.output)
+        assert "Traceback" not in result.output, fault.where
+        assert tree_digest(out) == previous, fault.where
+        assert {name: tree_digest(root / name) for name in ("base", "chat")} == inputs, fault.where
+        assert not [p.name for p in root.iterdir() if p.name.startswith(".out.mlpackage")], fault.where
+
+
+# -- a generated suite: the demo's files mutated by class, through every command ----------------
+
+DEMO_FILES = Path(__file__).resolve().parents[1] / "adapters" / "demo"
+PACKAGE = "out.mlpackage"
+# Every file a command may read: the manifest, the base, the adapter, eval's text, and the
+# package a previous build wrote.
+MUTABLE = [
+    "m.yaml", "base/config.json", "base/tokenizer.json", "base/tokenizer_config.json", "base/model.safetensors",
+    "zen/adapter_config.json", "zen/adapter_model.safetensors", "text.txt",
+    f"{PACKAGE}/Manifest.json", f"{PACKAGE}/Data/com.apple.CoreML/model.mlmodel", f"{PACKAGE}/Data/com.apple.CoreML/weights/weight.bin",
+]
+JSON_VALUES = [None, "text", -1, 0, 1e308, [], {}, True, [1, "a"], 2**70]
+# The documented exit codes (README, Exit codes) a bad input or a resource may end in.
+DOCUMENTED = {0, 2, 3, 4}
+
+
+def _commands(root: Path, out: Path, package: Path) -> dict[str, list[str]]:
+    manifest = str(root / "m.yaml")
+    return {
+        "validate": ["validate", manifest],
+        "build": ["build", manifest, "-o", str(out), "--force", "--no-verify", "--no-cache", "--quiet"],
+        "verify": ["verify", str(package), "--manifest", manifest, "--quiet"],
+        "inspect": ["inspect", str(package), "--json"],
+        "functions": ["functions", str(package), "--expect", "zen,base"],
+        "generate": ["generate", str(package), "-f", "zen", "--prompt", "Beautiful is", "-m", manifest, "--max-new-tokens", "2"],
+        "eval": ["eval", str(package), "--text", str(root / "text.txt"), "-m", manifest, "--quiet"],
+        "release": ["release", manifest, "--out-dir", str(out.parent / "dist"), "--no-bundle", "--no-cache", "--quiet"],
+        "merge": ["merge", str(root / "zen"), "-o", str(out), "--force", "--quiet"],
+        "cache": ["cache", "info", "--cache-dir", str(root / "base")],
+    }
+
+
+def _mutate(root: Path, kind: str, target: str, draw: int, value) -> None:
+    """Apply one mutation class to ``root / target`` (draw: a random offset or key index)."""
+    import json
+
+    path = root / target
+    if kind == "json type":
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, ValueError):
+            data = None
+        if isinstance(data, dict) and data:
+            key = sorted(data)[draw % len(data)]
+            data[key] = value
+            path.write_text(json.dumps(data))
+        else:  # not a JSON object: truncation instead
+            kind = "truncate"
+    if kind == "truncate":
+        data = path.read_bytes()
+        path.write_bytes(data[: draw % max(len(data), 1)])
+    elif kind in ("fifo", "directory", "symlink loop"):
+        path.unlink()
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "directory":
+            path.mkdir()
+        else:
+            path.symlink_to(path)
+
+
+def _files(root: Path) -> dict[str, object]:
+    """Every input and the previous package: bytes of regular files, the kind of special ones
+    (reading a FIFO would block)."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if name.startswith(("dist", ".")) or "/." in name:
+            continue
+        if path.is_symlink():
+            found[name] = ("symlink", os.readlink(path))
+        elif path.is_fifo():
+            found[name] = "fifo"
+        elif path.is_file():
+            found[name] = path.read_bytes()
+    return found
+
+
+@pytest.fixture(scope="module")
+def demo_project(tmp_path_factory) -> Path:
+    """The demo's base and zen skill, a manifest, a text to score and a package built from them."""
+    from adapterpack.build.pipeline import build
+    from adapterpack.build.records import BuildOptions
+
+    root = tmp_path_factory.mktemp("demo-hostile")
+    for name in ("base", "zen"):
+        shutil.copytree(DEMO_FILES / name, root / name)
+    (root / "m.yaml").write_text(
+        "name: d\nbase: {path: base}\nadapters: [{name: zen, path: zen}]\ninclude_base: base\n"
+        "export: {max_context: 32}\ncompression: {method: none}\nverify: {prefill: 6, decode_steps: 2}\n"
+    )
+    (root / "text.txt").write_text((DEMO_FILES / "heldout.txt").read_text()[:300])
+    build(root / "m.yaml", output=root / PACKAGE, options=BuildOptions(verify=False, use_cache=False))
+    return root
+
+
+class _Deadline(Exception):
+    pass
+
+
+def _hostile_case(demo_project: Path, workdir: Path, command: str, kind: str, target: str, draw: int, value, oddity: str | None) -> None:
+    import signal
+
+    from typer.testing import CliRunner
+
+    from adapterpack.cli.app import app
+
+    root = workdir / "p"
+    shutil.copytree(demo_project, root, symlinks=True)
+    if kind != "none":
+        _mutate(root, kind, target, draw, value)
+    out, package = root / PACKAGE, root / PACKAGE
+    odd = {"long": "o" * 300 + ".mlpackage", "dotdot": "../p/base/../out.mlpackage", "separators": "a//b/./c/", "dir": "base"}
+    args = _commands(root, out, package)[command]
+    if oddity == "NUL":
+        # argv cannot hold a NUL byte (execve refuses it); a manifest's output can
+        with (root / "m.yaml").open("a") as manifest:
+            manifest.write('\noutput: "out\\0.mlpackage"\n')
+        if command == "build":
+            args = [arg for arg in args if arg not in ("-o", str(out))]
+    elif oddity is not None:
+        out = package = root / odd[oddity]
+        args = _commands(root, out, package)[command]
+    before = _files(root)
+
+    def deadline(signum, frame):
+        raise _Deadline(f"{command} still running after 120 s")
+
+    previous = signal.signal(signal.SIGALRM, deadline)
+    signal.alarm(120)
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    case = (command, kind, target, oddity, result.stderr[-600:])
+    assert not isinstance(result.exception, _Deadline), case
+    assert result.exit_code in DOCUMENTED, case
+    assert "Traceback" not in result.output, case
+    if result.exit_code != 0 and not result.stderr.startswith("Usage:"):  # click's own usage errors: exit 2
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, case
+    after = _files(root)
+    if command in ("build", "merge") and result.exit_code == 0 and oddity is None:
+        # a successful build may replace its own previous package, nothing else
+        before = {k: v for k, v in before.items() if not k.startswith(PACKAGE)}
+        after = {k: v for k, v in after.items() if not k.startswith(PACKAGE)}
+    assert after == before, case
+
+
+COMMANDS = ["validate", "build", "verify", "inspect", "functions", "generate", "eval", "release", "merge", "cache"]
+hostile_cases = st.tuples(
+    st.sampled_from(COMMANDS),
+    st.sampled_from(["json type", "truncate", "fifo", "directory", "symlink loop", "none"]),
+    st.sampled_from(MUTABLE),
+    st.integers(min_value=0, max_value=1 << 20),
+    st.sampled_from(JSON_VALUES),
+    st.one_of(st.none(), st.sampled_from(["NUL", "long", "dotdot", "separators", "dir"])),
+)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=hostile_cases)
+def test_generated_hostile_inputs_through_every_command(demo_project, tmp_path_factory, monkeypatch, case):
+    """Each command on the demo's files mutated by class (JSON types per key, truncation at a
+    random offset, a FIFO, a folder or a symlink loop in place of a file) or with an odd path
+    (NUL, 300 characters, '..', separators, an input folder): a documented exit code, one error
+    line, no traceback, no hang, and every input and the previous package byte for byte."""
+    monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
+    _hostile_case(demo_project, tmp_path_factory.mktemp("case"), *case)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=hostile_cases)
+def test_generated_hostile_inputs_through_every_command_at_length(demo_project, tmp_path_factory, monkeypatch, case):
+    """The same, with more and unseeded examples (the slow step)."""
+    monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
+    _hostile_case(demo_project, tmp_path_factory.mktemp("case"), *case)

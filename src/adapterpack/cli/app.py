@@ -263,18 +263,20 @@ def generate(
         _check_backend(backend)
         checked = check_inputs(manifest) if manifest is not None else None
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        sys.stdout.write(f"user: {prompt}\nassistant: " if chat else prompt)
-        sys.stdout.flush()
+        # The prompt is echoed with the first generated text, once the package has opened: a
+        # package that cannot be read leaves only the error line.
+        pending = [f"user: {prompt}\nassistant: " if chat else prompt]
 
         def show(piece: str) -> None:
-            sys.stdout.write(piece)
+            sys.stdout.write("".join(pending) + piece)
+            pending.clear()
             sys.stdout.flush()
 
         result = run_generate(
             package, function, prompt, checked=checked, backend=backend, sampling=sampling,
             max_new_tokens=max_new_tokens, compare=compare, chat=chat, on_text=show,
         )
-        sys.stdout.write("\n")
+        show("\n")
         sys.stdout.flush()
         print_generation(result)
 

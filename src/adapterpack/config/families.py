@@ -32,10 +32,13 @@ OPTIONAL_SIZES = frozenset({"num_key_value_heads", "head_dim"})
 def check_family(config: dict, config_file: Path) -> str:
     """Return the config's model_type, or raise BadInput naming the supported families."""
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_FAMILIES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_FAMILIES:
         raise BadInput(f"{config_file}: {unsupported_message(model_type)}")
     if config.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
         raise BadInput(f"{config_file}: partial rotary embeddings (partial_rotary_factor) are not supported")
+    name = config.get("_name_or_path")
+    if name is not None and not isinstance(name, str):
+        raise BadInput(f"{config_file}: '_name_or_path' must be a string, found {name!r}")
     for key in SIZE_FIELDS:
         value = config.get(key)
         # Required sizes must be there; optional ones (head_dim, num_key_value_heads) may be absent or null.

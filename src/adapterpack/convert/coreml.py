@@ -26,22 +26,56 @@ def deployment_target(name: str):
         raise ValueError(f"coremltools {ct.__version__} does not know deployment target {name}") from None
 
 
-def compute_precision(ct):
-    """float16 everywhere except the ops the export computes in float32 on purpose.
+def norm_islands(block) -> set[str]:
+    """Names of the float32 ops around each ``rsqrt``: the inside of every RMS norm.
 
-    The decoder is traced from a float16 model, so its only float32 ops are the ones it asks for:
-    the inside of every RMS norm (as transformers' own RMSNorm upcasts) and the attention bias.
-    coremltools' plain FLOAT16 precision narrows those too. On a real checkpoint that costs
-    accuracy at the attention-sink tokens, whose residual reaches tens of thousands and whose
-    last layers cancel most of it again: SmolLM2-135M's fused ``shout``, position 1, cosine 0.9949
-    all-float16 against 0.9995 with float32 norms (mean 0.99973 -> 0.99997). The norm's form
-    (``export_decoder.rms_norm``) stays exact in float16 as well, so a backend that narrows these
-    ops (the Neural Engine has no float32) still cannot overflow.
+    The decoder is traced from a float16 model and ``export_decoder.rms_norm`` upcasts inside,
+    as transformers' RMSNorm does, so each norm is a float32 region from the cast of its
+    float16 input to the cast of its output, with the norm's one ``rsqrt`` in the middle (no
+    other op of the decoder uses it). Walking float32 values back and forth from that ``rsqrt``
+    finds the region without depending on op names; other float32 values of the trace (peft's
+    LoRA matrices, the rope tables, the attention bias) are not connected to it.
     """
     from coremltools.converters.mil.mil import types
 
+    def float32(var) -> bool:
+        return getattr(var, "dtype", None) == types.fp32
+
+    found: set[str] = set()
+    for rsqrt in (op for op in block.operations if op.op_type == "rsqrt"):
+        stack = [rsqrt]
+        while stack:
+            op = stack.pop()
+            if op.name in found:
+                continue
+            found.add(op.name)
+            for value in op.inputs.values():
+                for var in value if isinstance(value, (list, tuple)) else [value]:
+                    if float32(var) and var.op is not None and var.op.op_type != "const":
+                        stack.append(var.op)
+            for output in op.outputs:
+                stack.extend(child for child in output.child_ops if any(float32(o) for o in child.outputs))
+    return found
+
+
+def compute_precision(ct):
+    """float16 everywhere except the inside of every RMS norm, which stays float32.
+
+    coremltools' plain FLOAT16 precision also narrows the norms' float32 upcast. On a real
+    checkpoint that costs accuracy at the attention-sink tokens, whose residual reaches
+    thousands and whose last layers cancel most of it again: SmolLM2-135M's fused ``shout``,
+    position 1, cosine 0.9949 all-float16 against 0.9995 with float32 norms (mean over
+    positions 0.99973 -> 0.99997). The norm's form (``export_decoder.rms_norm``) is exact in
+    float16 as well, so a backend that narrows it (the Neural Engine has no float32) still
+    cannot overflow. Each norm adds about a dozen small float32 ops on one row per token.
+    """
+    islands: dict[int, set[str]] = {}
+
     def narrowed(op) -> bool:
-        return not any(getattr(output, "dtype", None) == types.fp32 for output in op.outputs)
+        block = op.enclosing_block
+        if id(block) not in islands:
+            islands[id(block)] = norm_islands(block)
+        return op.name not in islands[id(block)]
 
     return ct.transform.FP16ComputePrecision(op_selector=narrowed)
 

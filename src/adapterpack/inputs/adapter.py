@@ -111,6 +111,13 @@ def _adapter_config(folder: Path) -> tuple[Path, dict]:
         isinstance(targets, list) and all(isinstance(t, str) for t in targets)
     ):
         raise _bad(config_file, f"'target_modules' must be a module name, a list of module names or null, found {targets!r}")
+    layers = config.get("layers_to_transform")
+    if layers is not None and not _is_uint(layers) and not (isinstance(layers, list) and all(_is_uint(n) for n in layers)):
+        raise _bad(config_file, f"'layers_to_transform' must be a layer index, a list of layer indices or null, found {layers!r}")
+    for field in ("layers_pattern", "exclude_modules"):
+        value = config.get(field)
+        if value is not None and not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise _bad(config_file, f"'{field}' must be a string, a list of strings or null, found {value!r}")
     for flag in ("use_rslora", "use_dora", "lora_bias", "fan_in_fan_out"):
         if not isinstance(config.get(flag, False), bool):
             raise _bad(config_file, f"'{flag}' must be true or false, found {config[flag]!r}")
