@@ -9,8 +9,12 @@ import pytest  # noqa: E402
 
 from factories import FAMILIES, make_family_project  # noqa: E402
 
+# The default run builds Llama and Qwen3 (q/k norms); Mistral (sliding window) and Qwen2 (q/k/v
+# biases) run in the slow step, with every test that takes this fixture.
+DEFAULT_FAMILIES = ("llama", "qwen3")
 
-@pytest.fixture(scope="session", params=FAMILIES)
+
+@pytest.fixture(scope="session", params=[f if f in DEFAULT_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def family_build(request, tmp_path_factory):
     """(family, root, BuildResult): a float16 package per family with every FAMILY_ADAPTERS
     function and the base, built and verified once for the whole session."""

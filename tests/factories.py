@@ -209,6 +209,21 @@ def run_cli(*args, cwd: Path | None = None):
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
 
 
+def invoke_cli(*args):
+    """``adapterpack ARGS`` in this process (typer's runner; no debug tracebacks): what
+    ``run_cli`` returns, without a second interpreter importing torch for each call."""
+    import os
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    from adapterpack.cli.app import app
+
+    env = {"ADAPTERPACK_DEBUG": None} if "ADAPTERPACK_DEBUG" in os.environ else {}
+    result = CliRunner().invoke(app, [str(arg) for arg in args], env=env)
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
 def tree_digest(path: Path) -> str:
     """sha256 over a folder's file names and bytes (a package is a folder)."""
     import hashlib

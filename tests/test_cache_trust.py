@@ -75,7 +75,7 @@ def warnings(caplog):
     logger.removeHandler(caplog.handler)
 
 
-@pytest.mark.parametrize("kind", sorted(DAMAGE))
+@pytest.mark.parametrize("kind", [k if k in ("parts", "palettes") else pytest.param(k, marks=pytest.mark.slow) for k in sorted(DAMAGE)])
 def test_damaged_entry_of_each_kind_is_dropped_and_rebuilt(project, clean, tmp_path, warnings, kind):
     result, cache = clean
     copy = tmp_path / "cache"

@@ -10,7 +10,7 @@ import pytest
 
 from adapterpack.evaluate.perplexity import evaluate, windows
 from adapterpack.inputs.checked import check_inputs
-from factories import run_cli
+from factories import invoke_cli, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "manifests" / "demo.yaml"
@@ -85,6 +85,6 @@ def test_eval_bad_input_is_one_line_exit_2(demo, tmp_path):
         "cannot read": [tmp_path / "missing.txt"],
     }
     for expected, (path, *extra) in cases.items():
-        run = run_cli("eval", demo.output, "--text", path, "--manifest", DEMO, *extra)
+        run = invoke_cli("eval", demo.output, "--text", path, "--manifest", DEMO, *extra)
         errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
         assert run.returncode == 2 and len(errors) == 1 and expected in errors[0], (expected, run.stderr)

@@ -12,7 +12,7 @@ import pytest
 from adapterpack.errors import BadInput
 from adapterpack.evaluate.generate import Generation, Sampling, TextStream, first_difference, generate
 from adapterpack.inputs.checked import check_inputs
-from factories import run_cli
+from factories import invoke_cli, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "manifests" / "demo.yaml"
@@ -106,7 +106,7 @@ def test_generate_bad_input_is_one_line_exit_2(demo):
         "--top-p 2.0": ["--function", "base", "--prompt", "x", "--manifest", DEMO, "--temperature", "1", "--top-p", "2"],
     }
     for expected, args in cases.items():
-        run = run_cli("generate", package, *args)
+        run = invoke_cli("generate", package, *args)
         lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
         assert run.returncode == 2 and len(lines) == 1 and expected in lines[0], (expected, run.stderr)
         assert "Traceback" not in run.stderr

@@ -147,7 +147,7 @@ def _start_build_and_wait_for_staging(project: Path, output: Path) -> subprocess
     raise AssertionError("no staging folder appeared")
 
 
-@pytest.mark.parametrize("how", ["SIGINT", pytest.param("SIGKILL", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", [pytest.param("SIGINT", marks=pytest.mark.slow), pytest.param("SIGKILL", marks=pytest.mark.slow)])
 def test_interrupted_build_leaves_previous_output_intact(project, tmp_path, how):
     output = tmp_path / "pkg.mlpackage"
     first = run("build", project / "rel.yaml", "-o", output, "--no-verify", "--quiet")

@@ -82,7 +82,7 @@ def _alter_weights(package: Path, destination: Path, how: str) -> Path:
     return destination
 
 
-@pytest.mark.parametrize("how", ["scale", "noise"])
+@pytest.mark.parametrize("how", ["scale", pytest.param("noise", marks=pytest.mark.slow)])
 def test_altered_weight_blob_fails_with_exit_3(float16_package, tmp_path, how):
     root, package = float16_package
     altered = _alter_weights(package, tmp_path / "altered.mlpackage", how)
