@@ -278,3 +278,41 @@ def test_demo_builds_as_an_asset(tmp_path):
     assert result.verify_report.passed, result.verify_report.verdict()
     again = build(DEMO, output=tmp_path / "again.aimodel", options=BuildOptions(use_cache=False, verify=False))
     assert tree_digest(result.output) == tree_digest(again.output)
+
+
+def test_the_cpu_runtime_accumulates_float16_products_in_float16(tmp_path):
+    """Why a float16 .aimodel of a real checkpoint misses the float32 reference (README, Core AI):
+    one float16 linear layer on Core AI's CPU runtime gives, bit for bit, a float16 running sum
+    over the input channels, while torch's float16 (float32 accumulation) is ~80x closer. The
+    asset's graph is not at fault; compute_precision: float32 is the remedy."""
+    import asyncio
+
+    import torch
+    from coreai.authoring.asset import AIModelAsset, OSVersion
+    from coreai.runtime import NDArray
+
+    from adapterpack.convert.coreai import import_coreai_torch
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(384, 64, bias=False).half().eval().requires_grad_(False)
+    x = (torch.randn(1, 4, 384) * 3)
+    x[..., 7] = 2500.0  # one large input channel, as a real checkpoint's gate x up has
+    x = x.half()
+    converter = import_coreai_torch().TorchConverter(mode=import_coreai_torch().TorchConverter.Mode.RELEASE)
+    converter.add_exported_program(torch.export.export(layer, (x,), strict=False).run_decompositions(),
+                                   input_names=["x"], output_names=["y"], entrypoint_name="main")
+    converter.to_coreai().save_asset(tmp_path / "linear.aimodel", minimum_os=OSVersion.v27)
+
+    async def run():
+        async with AIModelAsset.load(tmp_path / "linear.aimodel").executable() as model:
+            return (await model.load_function("main")({"x": NDArray(x.numpy())}))["y"].numpy()
+
+    got = asyncio.run(run())
+    xs, ws = x.numpy(), layer.weight.numpy()
+    running = np.zeros(got.shape, np.float16)
+    for k in range(xs.shape[-1]):
+        running = running + xs[..., k : k + 1] * ws[:, k]
+    np.testing.assert_array_equal(got, running)
+    exact = xs.astype(np.float64) @ ws.astype(np.float64).T
+    torch_float16 = (x @ layer.weight.T).numpy()
+    assert np.abs(got - exact).max() > 20 * np.abs(torch_float16 - exact).max()

@@ -229,7 +229,8 @@ def _set_json(file: Path, key: str, value) -> None:
     file.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("case", ["lora_alpha null", "target_modules 5", "hidden_size '128'", "scale nan", "config is a FIFO"])
+@pytest.mark.parametrize("case", ["lora_alpha null", "target_modules 5", "hidden_size '128'", "vocab_size 300", "layers_to_transform 'x'",
+                                  "model_type []", "scale nan", "config is a FIFO"])
 def test_bad_field_types_and_special_files_are_one_line_exit_2(project, tmp_path, case):
     """Each once a traceback (or, for a FIFO, a hang): now validate names the file and exits 2."""
     root = tmp_path / "p"
@@ -240,6 +241,12 @@ def test_bad_field_types_and_special_files_are_one_line_exit_2(project, tmp_path
         _set_json(root / "chat" / "adapter_config.json", "target_modules", 5)
     elif case == "hidden_size '128'":
         _set_json(root / "base" / "config.json", "hidden_size", "128")
+    elif case == "vocab_size 300":  # disagrees with the embedding: transformers' load failed on it
+        _set_json(root / "base" / "config.json", "vocab_size", 300)
+    elif case == "layers_to_transform 'x'":
+        _set_json(root / "chat" / "adapter_config.json", "layers_to_transform", "x")
+    elif case == "model_type []":
+        _set_json(root / "base" / "config.json", "model_type", [])
     elif case == "scale nan":
         (root / "h.yaml").write_text(VALID.replace("scale: 1.0", "scale: .nan"))
     else:
@@ -253,7 +260,7 @@ def test_bad_field_types_and_special_files_are_one_line_exit_2(project, tmp_path
     assert result.returncode == 2, (case, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.stderr, (case, result.stderr)
-    named = "h.yaml" if case == "scale nan" else ("config.json" if "hidden" in case else "adapter_config.json")
+    named = "h.yaml" if case == "scale nan" else ("config.json" if case.split()[0] in ("hidden_size", "vocab_size", "model_type") else "adapter_config.json")
     assert named in lines[0], (case, lines[0])
 
 
@@ -524,3 +531,16 @@ def test_generated_hostile_inputs_through_every_command_at_length(demo_project, 
     """The same, with more and unseeded examples (the slow step)."""
     monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
     _hostile_case(demo_project, tmp_path_factory.mktemp("case"), *case)
+
+
+def test_a_broken_tokenizer_file_is_refused_by_validate_as_by_release(tmp_path):
+    """validate runs the checks build and release run: a truncated tokenizer.json is exit 2
+    naming it, before any heavy work (release loads it fully before shipping it)."""
+    from factories import invoke_cli
+
+    shutil.copytree(DEMO_FILES / "base", tmp_path / "base")
+    text = (tmp_path / "base" / "tokenizer.json").read_text()
+    (tmp_path / "base" / "tokenizer.json").write_text(text[: len(text) // 3])
+    (tmp_path / "m.yaml").write_text("name: t\nbase: {path: base}\nadapters: []\ninclude_base: base\nexport: {max_context: 16}\n")
+    result = invoke_cli("validate", tmp_path / "m.yaml")
+    assert result.returncode == 2 and "tokenizer.json" in result.stderr and "invalid JSON" in result.stderr, result.stderr

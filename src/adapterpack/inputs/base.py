@@ -119,6 +119,9 @@ def _download(source: str, revision: str | None, local_path: Path) -> Path:
     return folder
 
 
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
+
+
 def _inspect_base_folder(
     folder: Path, source: str, revision: str | None, from_hub: bool
 ) -> BaseInfo:
@@ -143,6 +146,11 @@ def _inspect_base_folder(
         raise _no_weights_error(folder, from_hub)
     if not tensors:
         raise _bad(weight_files[0], "holds no tensors")
+    # The tokenizer files generate, eval and release read later, and an app ships: a truncated
+    # or mistyped one is refused now rather than after the build.
+    for name in TOKENIZER_JSON_FILES:
+        if (folder / name).exists() or (folder / name).is_symlink():
+            _load_json_object(folder / name)
 
     return BaseInfo(
         folder=folder,
@@ -219,3 +227,43 @@ def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str
             f"(expected in {weight_map[missing[0]]})",
         )
     return tuple(files), tensors
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The shape the config implies for each weight of the Llama layout every supported family
+    shares (``check_family`` has checked the sizes are positive integers)."""
+    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    intermediate = config["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    per_layer = {
+        "self_attn.q_proj.weight": (heads * head_dim, hidden), "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden), "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "self_attn.q_proj.bias": (heads * head_dim,), "self_attn.k_proj.bias": (kv_heads * head_dim,),
+        "self_attn.v_proj.bias": (kv_heads * head_dim,), "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
+        "mlp.gate_proj.weight": (intermediate, hidden), "mlp.up_proj.weight": (intermediate, hidden),
+        "mlp.down_proj.weight": (hidden, intermediate), "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    for layer in range(layers):
+        shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+def check_weight_shapes(base: BaseInfo) -> None:
+    """BadInput naming the first weight whose stored shape is not what config.json implies (a
+    ``vocab_size`` that disagrees with the embedding, say), or a projection the config's layers
+    need that no weight file holds: transformers would refuse the folder at load, after the
+    checks and with a message pointing at a report it does not print."""
+    config_file = base.folder / "config.json"
+    expected = expected_shapes(base.config)
+    for name, info in sorted(base.tensors.items()):
+        if name in expected and tuple(info.shape) != expected[name]:
+            raise _bad(info.file, f"{name} has shape {tuple(info.shape)}, but {config_file.name} implies {expected[name]}")
+    required = [name for name in expected if name.endswith(("q_proj.weight", "down_proj.weight")) or name == "model.embed_tokens.weight"]
+    missing = [name for name in required if name not in base.tensors]
+    if missing:
+        raise _bad(config_file, f"{len(missing)} weight(s) the config's layers need are in no weight file (first: {missing[0]})")
+

@@ -15,7 +15,7 @@ from adapterpack.config.families import check_family
 from adapterpack.config.manifest import Manifest, load_manifest, looks_like_hub_id
 from adapterpack.errors import BadInput
 from adapterpack.inputs.adapter import AdapterInfo, inspect_adapter
-from adapterpack.inputs.base import BaseInfo, resolve_base
+from adapterpack.inputs.base import BaseInfo, check_weight_shapes, resolve_base
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def check_inputs(
         manifest = load_manifest(manifest)
     base = resolve_base(manifest.base.path, manifest.base.revision, manifest.folder)
     check_family(base.config, base.folder / "config.json")
+    check_weight_shapes(base)
     adapters = {}
     for adapter in manifest.adapters:
         # The hub id the tokenizer is named by is also a name of the base.
