@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from adapterpack.errors import BadInput
+from adapterpack.mlpackage.blob import read_blob_records
 from adapterpack.verify.executor import constexpr, elementwise, linalg, shape_ops  # noqa: F401  (importing them registers their ops)
 from adapterpack.verify.executor.registry import (
     _OPS,
@@ -256,9 +258,21 @@ def _check_supported(op: Any, function: str) -> None:
 
 def _program_spec(path: str):
     """The model spec of a package, which must hold an ML Program."""
+    import json
+
     import coremltools as ct
 
-    spec = ct.utils.load_spec(path)
+    # coremltools parses Manifest.json in C++ and answers damage with a bare RuntimeError (or a
+    # UnicodeDecodeError): a package whose manifest does not parse is bad input, named as such.
+    manifest = Path(path) / "Manifest.json"
+    try:
+        json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as error:
+        raise BadInput(f"{manifest}: not a readable package manifest ({type(error).__name__}: {str(error)[:120]})") from None
+    try:
+        spec = ct.utils.load_spec(path)
+    except (RuntimeError, ValueError) as error:
+        raise BadInput(f"{path}: not a readable Core ML package ({str(error).strip()[:160]})") from None
     if spec.WhichOneof("Type") != "mlProgram":
         raise ValueError(f"{path} is not an ML Program (found {spec.WhichOneof('Type')!r})")
     return spec
@@ -317,6 +331,10 @@ class ProgramExecutor:
             if kept and spec.description.defaultFunctionName not in functions:
                 spec.description.defaultFunctionName = functions[0]
         weights_dir = _try_get_weights_dir_path(path) or str(Path(path) / "Data" / "com.apple.CoreML" / "weights")
+        # coremltools' blob reader answers a truncated or altered blob with "index out of
+        # bounds": check each blob's records first, so the package is named as bad input.
+        for blob in sorted(Path(weights_dir).glob("*")) if Path(weights_dir).is_dir() else []:
+            read_blob_records(Path(path), blob.relative_to(path).as_posix())
         declared = _declared_in_spec(spec, list(spec.mlProgram.functions))
         try:
             program = load_milproto(spec, spec.specificationVersion, file_weights_dir=weights_dir)
