@@ -466,13 +466,13 @@ def _hostile_case(demo_project: Path, workdir: Path, command: str, kind: str, ta
     out, package = root / PACKAGE, root / PACKAGE
     odd = {"long": "o" * 300 + ".mlpackage", "dotdot": "../p/base/../out.mlpackage", "separators": "a//b/./c/", "dir": "base"}
     args = _commands(root, out, package)[command]
-    if oddity == "NUL":
+    if oddity == "NUL" and (root / "m.yaml").is_file():
         # argv cannot hold a NUL byte (execve refuses it); a manifest's output can
         with (root / "m.yaml").open("a") as manifest:
             manifest.write('\noutput: "out\\0.mlpackage"\n')
         if command == "build":
             args = [arg for arg in args if arg not in ("-o", str(out))]
-    elif oddity is not None:
+    elif oddity in odd:
         out = package = root / odd[oddity]
         args = _commands(root, out, package)[command]
     before = _files(root)
@@ -495,9 +495,10 @@ def _hostile_case(demo_project: Path, workdir: Path, command: str, kind: str, ta
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1, case
     after = _files(root)
-    if command in ("build", "merge") and result.exit_code == 0:
-        # a successful build writes (or replaces) its output, nothing else
-        written = out.resolve().relative_to(root.resolve()).as_posix() + "/"
+    outputs = {"build": out, "merge": out, "release": out.parent / "dist"}
+    if command in outputs and result.exit_code == 0:
+        # a successful build or release writes (or replaces) its output, nothing else
+        written = outputs[command].resolve().relative_to(root.resolve()).as_posix() + "/"
         before = {k: v for k, v in before.items() if not (k + "/").startswith(written)}
         after = {k: v for k, v in after.items() if not (k + "/").startswith(written)}
     assert after == before, case

@@ -125,15 +125,7 @@ def package_text(package: str | Path, checked=None) -> PackageText:
         raise BadInput(f"{package}: package not found")
     listing = read_functions(package)
     folder = tokenizer_folder(package, checked)
-    from adapterpack.quiet import captured_output
-
-    try:
-        with captured_output():
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise BadInput(f"{folder}: the tokenizer files cannot be loaded: {str(error).splitlines()[0][:200]}") from None
+    tokenizer = load_tokenizer(folder)
     eos = set()
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
@@ -172,3 +164,22 @@ def read_text_file(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise BadInput(f"{path}: not UTF-8 text (byte {error.start})") from None
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer in ``folder``, loaded as an app's client would and tried on one string;
+    BadInput naming the folder when its files cannot be (a truncated tokenizer.json, a
+    mistyped tokenizer_config.json key: transformers raises many kinds of error for those)."""
+    from adapterpack.quiet import captured_output
+
+    try:
+        with captured_output():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            tokenizer("a")
+    except Exception as error:  # noqa: BLE001 - any failure of the user's files is bad input
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise BadInput(f"{folder}: the tokenizer files cannot be loaded: {first}") from None
+    return tokenizer
+

@@ -20,6 +20,7 @@ from adapterpack.inputs.safetensors import (
     _load_json_object,
     _short,
     read_safetensors_header,
+    refuse_special_file,
     sha256_files,
 )
 
@@ -136,6 +137,8 @@ def _inspect_base_folder(
 
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
+    refuse_special_file(single, "a safetensors file")
+    refuse_special_file(index, "a JSON file")
     # Same preference as transformers: the single file wins over an index.
     if single.is_file():
         weight_files: tuple[Path, ...] = (single,)

@@ -108,6 +108,7 @@ def sha256_files(files: Iterable[Path | str]) -> str:
     digest = hashlib.sha256()
     for file in files:
         path = Path(file)
+        refuse_special_file(path, "a file to hash")
         try:
             with path.open("rb") as fh:
                 while chunk := fh.read(_CHUNK):
@@ -117,11 +118,16 @@ def sha256_files(files: Iterable[Path | str]) -> str:
     return digest.hexdigest()
 
 
+def refuse_special_file(file: Path, expected: str) -> None:
+    """BadInput when ``file`` is a FIFO, socket or device: opening one blocks (or never ends),
+    so it is refused unopened."""
+    if file.exists() and not file.is_dir() and not file.is_file():
+        raise _bad(file, f"is not a regular file (a FIFO, socket or device); expected {expected}")
+
+
 def _load_json_object(file: Path) -> dict:
     """Parse a JSON object file, turning every failure into a BadInput with line/column."""
-    if file.exists() and not file.is_dir() and not file.is_file():
-        # A FIFO or device would block the read (or never end): refuse it unopened.
-        raise _bad(file, "is not a regular file (a FIFO, socket or device); expected a JSON file")
+    refuse_special_file(file, "a JSON file")
     try:
         raw = file.read_bytes()
     except FileNotFoundError:
@@ -162,6 +168,7 @@ def _is_uint(value: Any) -> bool:
 
 def _parse_header(file: Path) -> tuple[dict[str, _Entry], int]:
     """Validate a safetensors file's header and layout; return entries and data-region start."""
+    refuse_special_file(file, "a safetensors file")
     try:
         with file.open("rb") as fh:
             size = os.fstat(fh.fileno()).st_size

@@ -50,17 +50,9 @@ def check_tokenizer_files(checked) -> None:
             "tokenize without them; add the base's tokenizer, or pass --no-bundle"
         )
     # Shipped files must load: a truncated tokenizer.json would reach the app unnoticed.
-    from adapterpack.quiet import captured_output
+    from adapterpack.evaluate.text import load_tokenizer
 
-    try:
-        with captured_output():
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-            tokenizer("a")
-    except Exception as error:  # noqa: BLE001 - tokenizers raise many kinds of error for a broken file
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise BadInput(f"{folder}: the tokenizer files cannot be loaded, so they are not shipped: {first}") from None
+    load_tokenizer(folder)
 
 
 def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=None) -> dict[str, str]:
