@@ -38,6 +38,27 @@ def spec_path(package: Path) -> Path:
     return default
 
 
+def check_package_manifest(package: Path) -> None:
+    """BadInput unless ``package``/Manifest.json is what Core ML writes: a JSON object whose
+    ``rootModelIdentifier`` names one of its ``itemInfoEntries``, each with a string ``path``.
+    coremltools' own package reader answers other content with bare errors, and may write the
+    file back while it reads it: it is not handed a manifest that fails this."""
+    manifest = package / "Manifest.json"
+    try:
+        info = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as error:
+        raise BadInput(f"{manifest}: not a readable package manifest ({type(error).__name__}: {str(error)[:120]})") from None
+    entries = info.get("itemInfoEntries") if isinstance(info, dict) else None
+    root = info.get("rootModelIdentifier") if isinstance(info, dict) else None
+    if (
+        not isinstance(entries, dict)
+        or not isinstance(root, str)
+        or root not in entries
+        or not all(isinstance(e, dict) and isinstance(e.get("path"), str) for e in entries.values())
+    ):
+        raise BadInput(f"{manifest}: not a Core ML package manifest (rootModelIdentifier must name one of itemInfoEntries, each with a path)")
+
+
 def load_spec_file(spec_path: Path):
     """A Core ML model spec file, parsed; BadInput naming the file when it is not one."""
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.blob import read_blob_records
+from adapterpack.mlpackage.spec import check_package_manifest
 from adapterpack.verify.executor import constexpr, elementwise, linalg, shape_ops  # noqa: F401  (importing them registers their ops)
 from adapterpack.verify.executor.registry import (
     _OPS,
@@ -258,17 +259,9 @@ def _check_supported(op: Any, function: str) -> None:
 
 def _program_spec(path: str):
     """The model spec of a package, which must hold an ML Program."""
-    import json
-
     import coremltools as ct
 
-    # coremltools parses Manifest.json in C++ and answers damage with a bare RuntimeError (or a
-    # UnicodeDecodeError): a package whose manifest does not parse is bad input, named as such.
-    manifest = Path(path) / "Manifest.json"
-    try:
-        json.loads(manifest.read_bytes())
-    except (OSError, ValueError) as error:
-        raise BadInput(f"{manifest}: not a readable package manifest ({type(error).__name__}: {str(error)[:120]})") from None
+    check_package_manifest(Path(path))
     try:
         spec = ct.utils.load_spec(path)
     except (RuntimeError, ValueError) as error:
