@@ -1,4 +1,5 @@
-"""The build: the order of stages (``pipeline``), parts and the build cache, staging of outputs,
-and reproducible releases."""
+"""The build: the order of stages (``pipeline``), the parts each function becomes
+(``builder``), the second writer for Core AI assets (``aimodel``), parts and the build cache,
+and staging of outputs."""
 
-__all__ = ["builder", "cache", "parts", "pipeline", "records", "release", "staging"]
+__all__ = ["aimodel", "builder", "cache", "parts", "pipeline", "records", "staging"]

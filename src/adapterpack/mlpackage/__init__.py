@@ -2,4 +2,4 @@
 the model spec, the functions it declares and their digests, package metadata, the streaming multifunction merge,
 and patching weight records in place."""
 
-__all__ = ["blob", "digest", "functions", "merge", "metadata", "spec", "weight_patch"]
+__all__ = ["aimodel", "blob", "digest", "functions", "merge", "metadata", "spec", "weight_patch"]
