@@ -62,7 +62,7 @@ def test_family_op_types_all_have_executor_tests(family_build):
     [
         ("{method: linear, nbits: 4}", "fuse"),
         pytest.param("{method: linear, nbits: 8, granularity: per_channel}", "keep", marks=pytest.mark.slow),
-        ("{method: prune, sparsity: 0.4}", "fuse"),
+        pytest.param("{method: prune, sparsity: 0.4}", "fuse", marks=pytest.mark.slow),
         pytest.param("{method: palettize, nbits: 4}", "keep", marks=pytest.mark.slow),
     ],
 )

@@ -169,6 +169,7 @@ def test_functions_and_inspect_read_an_asset(llama_asset):
     assert document["memory"]["kv_bytes"] > 0 and document["shape"]["max_context"] == 40
 
 
+@pytest.mark.slow
 def test_an_altered_asset_fails_verification(llama_asset, tmp_path):
     root, result = llama_asset
     copy = tmp_path / "altered.aimodel"

@@ -131,6 +131,7 @@ def test_unsupported_architecture_names_supported_ones():
         DecoderShape.from_config(config)
 
 
+@pytest.mark.slow
 def test_a_conversion_does_not_depend_on_earlier_ones_in_the_process(tmp_path):
     """coremltools numbers the ops it creates from process-wide counters, which loading a
     program (as verify does) advances too: a program converted after that must still be

@@ -520,7 +520,7 @@ hostile_cases = st.tuples(
 BOUNDED = dict(deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate), suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@settings(max_examples=15, derandomize=True, **BOUNDED)
+@settings(max_examples=10, derandomize=True, **BOUNDED)
 @given(case=hostile_cases)
 def test_generated_hostile_inputs_through_every_command(demo_project, tmp_path_factory, monkeypatch, case):
     """Each command on the demo's files mutated by class (JSON types per key, truncation at a

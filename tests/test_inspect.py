@@ -157,6 +157,7 @@ def test_fuse_mode_unique_bytes_are_the_targeted_weights(fused, project):
         assert report.function(name).unique_bytes == pytest.approx(expected, rel=0.03), name
 
 
+@pytest.mark.slow
 def test_keep_mode_shares_the_base_and_adds_only_lora_matrices(kept, fused, project):
     report = inspect_package(kept)
     base = load_file(project / "base" / "model.safetensors")

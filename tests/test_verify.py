@@ -142,6 +142,7 @@ def test_mistyped_program_fails_verify_naming_function_op_and_types(tmp_path, mo
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_saved_type_that_coremltools_disagrees_with_fails_verify(float16_package, tmp_path):
     """A saved declaration that differs from coremltools' own type inference (an attention output
     declared rank 2) is reported as such, exit 3, not as a crash."""
