@@ -532,7 +532,7 @@ def test_generated_hostile_inputs_through_every_command(demo_project, tmp_path_f
 
 
 @pytest.mark.slow
-@settings(max_examples=100, **BOUNDED)
+@settings(max_examples=60, **BOUNDED)
 @given(case=hostile_cases)
 def test_generated_hostile_inputs_through_every_command_at_length(demo_project, tmp_path_factory, monkeypatch, case):
     """The same, with more and unseeded examples (the slow step)."""
@@ -551,3 +551,17 @@ def test_a_broken_tokenizer_file_is_refused_by_validate_as_by_release(tmp_path):
     (tmp_path / "m.yaml").write_text("name: t\nbase: {path: base}\nadapters: []\ninclude_base: base\nexport: {max_context: 16}\n")
     result = invoke_cli("validate", tmp_path / "m.yaml")
     assert result.returncode == 2 and "tokenizer.json" in result.stderr and "invalid JSON" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("target, kind", [("Manifest.json", "fifo"), ("Data/com.apple.CoreML/weights/weight.bin", "symlink loop")])
+@pytest.mark.parametrize("command", ["eval", "verify"])
+def test_special_files_inside_a_package_are_refused_not_waited_on(demo_project, tmp_path, monkeypatch, target, kind, command):
+    """Once a hang (eval read a FIFO in place of Manifest.json until the deadline): every read
+    command refuses a package holding a special file, naming it, with exit 2."""
+    from factories import invoke_cli
+
+    monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
+    _hostile_case(demo_project, tmp_path, command, kind, f"{PACKAGE}/{target}", 0, None, None)
+    root = tmp_path / "p"
+    result = invoke_cli(*_commands(root, root / PACKAGE, root / PACKAGE)[command])
+    assert result.returncode == 2 and target.rsplit("/", 1)[-1] in result.stderr, result.stderr

@@ -21,8 +21,21 @@ SPEC_NAME = "model.mlmodel"
 MODEL_PATH_PREFIX = "@model_path/"
 
 
+def refuse_special_files(package: Path) -> None:
+    """BadInput naming the first file of ``package`` that is a FIFO, socket or device (reading
+    one blocks, or never ends) or a symlink that leads nowhere (or to itself)."""
+    if not package.is_dir():
+        return
+    for path in sorted(package.rglob("*")):
+        if path.is_symlink() and not path.exists():
+            raise BadInput(f"{path}: a symlink that leads nowhere (or to itself), inside the package")
+        if not path.is_dir() and not path.is_file():
+            raise BadInput(f"{path}: not a regular file (a FIFO, socket or device), inside the package")
+
+
 def spec_path(package: Path) -> Path:
     """The root model spec, as Manifest.json names it (the usual Data/com.apple.CoreML/model.mlmodel)."""
+    refuse_special_files(package)
     default = package.joinpath(*MODEL_FOLDER, SPEC_NAME)
     manifest = package / "Manifest.json"
     try:
@@ -43,6 +56,7 @@ def check_package_manifest(package: Path) -> None:
     ``rootModelIdentifier`` names one of its ``itemInfoEntries``, each with a string ``path``.
     coremltools' own package reader answers other content with bare errors, and may write the
     file back while it reads it: it is not handed a manifest that fails this."""
+    refuse_special_files(package)
     manifest = package / "Manifest.json"
     try:
         info = json.loads(manifest.read_bytes())
