@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from adapterpack.errors import BadInput
+from adapterpack.inputs.safetensors import refuse_special_file
 from adapterpack.quiet import captured_output, import_coreml_proto
 
 MODEL_FOLDER = ("Data", "com.apple.CoreML")
@@ -29,8 +30,7 @@ def refuse_special_files(package: Path) -> None:
     for path in sorted(package.rglob("*")):
         if path.is_symlink() and not path.exists():
             raise BadInput(f"{path}: a symlink that leads nowhere (or to itself), inside the package")
-        if not path.is_dir() and not path.is_file():
-            raise BadInput(f"{path}: not a regular file (a FIFO, socket or device), inside the package")
+        refuse_special_file(path, "a file of the package")
 
 
 def spec_path(package: Path) -> Path:
