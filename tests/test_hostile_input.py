@@ -565,3 +565,15 @@ def test_special_files_inside_a_package_are_refused_not_waited_on(demo_project, 
     root = tmp_path / "p"
     result = invoke_cli(*_commands(root, root / PACKAGE, root / PACKAGE)[command])
     assert result.returncode == 2 and target.rsplit("/", 1)[-1] in result.stderr, result.stderr
+
+
+def test_a_fifo_named_as_the_eval_text_is_refused_not_waited_on(demo_project, tmp_path, monkeypatch):
+    """Once a hang found by the generated suite: ``eval --text`` naming a FIFO read it until the
+    deadline. It is refused unopened, naming the file, with exit 2."""
+    from factories import invoke_cli
+
+    monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
+    _hostile_case(demo_project, tmp_path, "eval", "fifo", "text.txt", 0, None, None)
+    root = tmp_path / "p"
+    result = invoke_cli(*_commands(root, root / PACKAGE, root / PACKAGE)["eval"])
+    assert result.returncode == 2 and "text.txt" in result.stderr and "not a regular file" in result.stderr, result.stderr

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapterpack.errors import BadInput
+from adapterpack.inputs.safetensors import refuse_special_file
 from adapterpack.mlpackage.functions import read_functions
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,8 @@ _BINARY = set(range(0, 9)) | {11, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25
 def read_text_file(path: Path) -> str:
     """A UTF-8 text file's content; BadInput naming it when it is missing, empty or binary."""
     path = Path(path)
+    # A FIFO or device named as the text would block the read forever.
+    refuse_special_file(path, "a UTF-8 text file")
     try:
         data = path.read_bytes()
     except OSError as error:
