@@ -31,7 +31,7 @@ from build_time import PYTHON, machine, make_inputs, peak_rss_of  # noqa: E402
 # The CLI with the cache's hashing off: sizes are still compared, digests are not computed.
 WITHOUT_HASHING = r"""
 import sys
-import adapterpack.build.cache as cache
+import adapterpack.assemble.cache as cache
 
 cache.file_digests = lambda path: []
 original = cache.Entry.problem
@@ -44,7 +44,7 @@ main()
 # The CLI with the time spent hashing measured.
 MEASURED_HASHING = r"""
 import atexit, sys, threading, time
-import adapterpack.build.cache as cache
+import adapterpack.assemble.cache as cache
 
 spent = [0.0, 0]
 lock = threading.Lock()

@@ -18,7 +18,7 @@ DEFAULT_FAMILIES = ("llama", "qwen3")
 def family_build(request, tmp_path_factory):
     """(family, root, BuildResult): a float16 package per family with every FAMILY_ADAPTERS
     function and the base, built and verified once for the whole session."""
-    from adapterpack.build.pipeline import build
+    from adapterpack.assemble.pipeline import build
 
     family = request.param
     root = tmp_path_factory.mktemp(f"build-{family}")
@@ -29,8 +29,8 @@ def family_build(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
     """The shipped demo (manifests/demo.yaml), built and verified once for the session."""
-    from adapterpack.build.pipeline import build
-    from adapterpack.build.records import BuildOptions
+    from adapterpack.assemble.pipeline import build
+    from adapterpack.assemble.records import BuildOptions
 
     out = tmp_path_factory.mktemp("demo")
     manifest = Path(__file__).resolve().parents[1] / "manifests" / "demo.yaml"

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.build.cache import ENTRY_FILE, BuildCache, file_digests
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.cache import ENTRY_FILE, BuildCache, file_digests
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
 from factories import CACHED_MANIFEST, make_adapter, make_cached_project, make_project, run_cli, tree_digest
 
@@ -317,7 +317,7 @@ def test_magnitudes_are_read_from_the_bits(tmp_path):
 
 def test_large_files_are_hashed_in_pieces(tmp_path, monkeypatch):
     """A file larger than a piece is hashed piece by piece (both cores); a change names its piece."""
-    import adapterpack.build.cache as cache_module
+    import adapterpack.assemble.cache as cache_module
 
     monkeypatch.setattr(cache_module, "HASH_PIECE", 1000)
     data = bytes(range(256)) * 20  # 5120 bytes: 6 pieces

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.records import BuildOptions
 from factories import make_adapter, make_base, run_cli
 
 MANIFEST = """name: tiny
@@ -83,7 +83,7 @@ def test_package_metadata_records_provenance(built, project):
 
 def test_package_is_deduplicated(project, tmp_path):
     """Shared weights are stored once: the package is smaller than its functions built alone."""
-    from adapterpack.build.pipeline import build
+    from adapterpack.assemble.pipeline import build
 
     result = build(project / "tiny.yaml", output=tmp_path / "dedup.mlpackage", options=BuildOptions(verify=False))
     alone = sum(result.part_sizes.values())

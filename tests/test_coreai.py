@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
 from adapterpack.verify.drives import run_drives
 from adapterpack.verify.reference import reference_logits
@@ -240,7 +240,7 @@ def test_an_mlpackage_never_imports_core_ai():
     import subprocess
 
     code = (
-        "import sys; import adapterpack.cli.app, adapterpack.build.pipeline, adapterpack.verify.package, "
+        "import sys; import adapterpack.cli.app, adapterpack.assemble.pipeline, adapterpack.verify.package, "
         "adapterpack.release.artifacts; print(sorted(m for m in sys.modules if m.startswith('coreai')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.verify.executor import ProgramExecutor
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.device_rules import cache_length_findings, package_findings
 from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from adapterpack.mlpackage.spec import load_spec_file, spec_path

@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.convert import coreml, export_decoder
 from adapterpack.errors import VerificationFailed
 from factories import make_adapter, make_massive_base
@@ -83,7 +83,7 @@ def test_values_float16_cannot_hold_are_refused_before_conversion(tmp_path):
     it with exit 2 naming the module, before any conversion."""
     from transformers import AutoModelForCausalLM
 
-    from adapterpack.build.pipeline import build as build_package
+    from adapterpack.assemble.pipeline import build as build_package
     from factories import make_base, plant_massive_activation, run_cli
 
     make_base(tmp_path / "base", "llama")

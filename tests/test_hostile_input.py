@@ -433,8 +433,8 @@ def _files(root: Path) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def demo_project(tmp_path_factory) -> Path:
     """The demo's base and zen skill, a manifest, a text to score and a package built from them."""
-    from adapterpack.build.pipeline import build
-    from adapterpack.build.records import BuildOptions
+    from adapterpack.assemble.pipeline import build
+    from adapterpack.assemble.records import BuildOptions
 
     root = tmp_path_factory.mktemp("demo-hostile")
     for name in ("base", "zen"):

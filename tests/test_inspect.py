@@ -20,8 +20,8 @@ import pytest
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.cli.app import app
 from adapterpack.config.devices import (
     CONTEXT_STEP,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapterpack.build.pipeline import build
+from adapterpack.assemble.pipeline import build
 from adapterpack.convert.lora import fused_weight_changes
 from adapterpack.inputs.adapter import inspect_adapter
 from adapterpack.inputs.base import resolve_base

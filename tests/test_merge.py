@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from adapterpack.build.pipeline import build, build_function_part
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build, build_function_part
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.merge import merge_functions, read_spec
 from adapterpack.mlpackage.spec import op_values, walk_ops
@@ -221,7 +221,7 @@ def test_kept_adapters_of_the_same_settings_are_patched_not_converted(tmp_path, 
     """A kept adapter with the same settings as one already built is patched into its part (its
     LoRA matrices replaced), byte-identical to converting it; one of other settings (rank) is
     converted; a rebuild after one adapter changed patches it from a cached part."""
-    import adapterpack.build.builder as builder
+    import adapterpack.assemble.builder as builder
 
     project = make_project(tmp_path / "p", KEPT_MANIFEST, {
         "one": dict(std=0.1, seed=1), "two": dict(std=0.1, seed=2), "other": dict(std=0.1, seed=3, r=8),

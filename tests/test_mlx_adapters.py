@@ -221,7 +221,7 @@ def test_mlx_lm_adapters_match_mlx_lm_forward(trained, tmp_path, lora):
     """LoRA (keys, last 2 of 4 blocks) and DoRA (every linear layer of the last 3 blocks),
     trained by mlx-lm, beside a peft adapter in one package; each function's logits match
     mlx-lm's own forward of base + adapter at float16."""
-    from adapterpack.build.pipeline import build
+    from adapterpack.assemble.pipeline import build
 
     code = REPO / "adapters" / "demo" / "code"
     dora = "" if lora == "keep" else f"  - {{name: dora, path: {trained / 'dora'}, lora: fuse}}\n"  # DoRA cannot be kept
@@ -262,8 +262,8 @@ def test_mlx_module_paths_map_for_every_family(family, tmp_path):
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
 
-    from adapterpack.build.pipeline import build
-    from adapterpack.build.records import BuildOptions
+    from adapterpack.assemble.pipeline import build
+    from adapterpack.assemble.records import BuildOptions
     from factories import make_base
 
     make_base(tmp_path / "base", family)

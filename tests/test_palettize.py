@@ -53,7 +53,7 @@ def test_palettes_do_not_depend_on_what_they_are_batched_with(monkeypatch):
 
 
 def test_disk_cache_returns_what_was_computed(tmp_path):
-    from adapterpack.build.cache import BuildCache
+    from adapterpack.assemble.cache import BuildCache
 
     tensor = weights(5).reshape(-1, 16 * 256)
     store = PaletteStore(BuildCache(tmp_path).palette_files())
@@ -67,7 +67,7 @@ def test_disk_cache_returns_what_was_computed(tmp_path):
 def test_damaged_working_files_are_recomputed(tmp_path):
     """A build's own palette files are not hashed (nobody else writes them), but what cannot be
     the palettes of the tensor is still recomputed, never used."""
-    from adapterpack.build.cache import FolderPalettes
+    from adapterpack.assemble.cache import FolderPalettes
 
     tensor = weights(6).reshape(-1, 16 * 256)
     store = PaletteStore(FolderPalettes(tmp_path))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from adapterpack.build.pipeline import build, build_function_part, merge_from_parts
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build, build_function_part, merge_from_parts
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.functions import read_functions
 from factories import CACHED_MANIFEST, make_adapter, make_cached_project, tree_digest
@@ -111,7 +111,7 @@ def test_rebuild_verifies_only_what_changed(project, tmp_path):
 
 def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
     """A CI job that restores its cache folder builds nothing for an unchanged function."""
-    import adapterpack.build.builder
+    import adapterpack.assemble.builder
 
     cache = tmp_path / "cache"
     first = build_function_part(project / "m.yaml", "chat", tmp_path / "parts1", options=BuildOptions(cache_dir=cache))
@@ -119,7 +119,7 @@ def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("built again despite the cache")
 
-    monkeypatch.setattr(adapterpack.build.builder, "_PartBuilder", refuse)
+    monkeypatch.setattr(adapterpack.assemble.builder, "_PartBuilder", refuse)
     second = build_function_part(project / "m.yaml", "chat", tmp_path / "parts2", options=BuildOptions(cache_dir=cache))
     assert tree_digest(first) == tree_digest(second)
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.build.records import ProgressLines, progress_text
-from adapterpack.compress.model import ALWAYS_FLOAT16, compress_model, compress_package
+from adapterpack.assemble.records import ProgressLines, progress_text
+from adapterpack.compress.model import compress_model, compress_package
 from adapterpack.compress.palettes import PaletteStore
 from adapterpack.compress.program import pack_indices, palettize_program
-from adapterpack.config.compression import LORA_PATTERNS, matches_any
+from adapterpack.config.compression import weight_setting
 from adapterpack.config.manifest import Compression
 from adapterpack.mlpackage.spec import load_spec_file, spec_path, walk_ops
 from adapterpack.mlpackage.weight_patch import WEIGHTS
@@ -68,9 +68,8 @@ def coremltools_palettized(source: Path, target: Path, compression: Compression)
         model.save(str(target))
 
 
-def kept(compression: Compression):
-    patterns = (*ALWAYS_FLOAT16, *compression.keep_float16, *LORA_PATTERNS)
-    return lambda name: matches_any(name, patterns)
+def setting_of(compression: Compression):
+    return lambda name, shape: weight_setting(name, shape, compression)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +94,7 @@ def test_streamed_palettization_equals_coremltools(programs, tmp_path, setting, 
     coremltools_palettized(source, tmp_path / "coremltools.mlpackage", compression)
     written = []
     assert palettize_program(
-        source, tmp_path / "streamed.mlpackage", compression, PaletteStore(), kept_float16=kept(compression),
+        source, tmp_path / "streamed.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression),
         progress=lambda done, total: written.append((done, total)),
     )
     expected = (tmp_path / "coremltools.mlpackage" / WEIGHTS).read_bytes()
@@ -110,14 +109,14 @@ def test_streamed_palettization_equals_coremltools(programs, tmp_path, setting, 
 def test_graph_comparison_notices_a_changed_op(programs, tmp_path):
     """The graph comparison the test above relies on can fail."""
     compression = Compression(method="palettize", **SETTINGS["4-bit grouped"])
-    palettize_program(programs["base"], tmp_path / "a.mlpackage", compression, PaletteStore(), kept_float16=kept(compression))
+    palettize_program(programs["base"], tmp_path / "a.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
     spec = load_spec_file(spec_path(tmp_path / "a.mlpackage"))
     function = next(iter(spec.mlProgram.functions.values()))
     block = next(iter(function.block_specializations.values()))
     multiply = next(op for op in block.operations if op.type == "mul")
     multiply.type = "add"
     spec_path(tmp_path / "a.mlpackage").write_bytes(spec.SerializeToString())
-    palettize_program(programs["base"], tmp_path / "b.mlpackage", compression, PaletteStore(), kept_float16=kept(compression))
+    palettize_program(programs["base"], tmp_path / "b.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
     assert graph(tmp_path / "a.mlpackage") != graph(tmp_path / "b.mlpackage")
 
 
@@ -125,7 +124,7 @@ def test_layouts_it_does_not_write_go_to_coremltools(programs, tmp_path):
     """A 2-bit per-tensor palette (4 values) is stored inline by coremltools, not in the blob:
     the streamed writer declines and compress_package takes coremltools' way."""
     compression = Compression(method="palettize", nbits=2, granularity="per_tensor", keep_float16=[])
-    assert not palettize_program(programs["base"], tmp_path / "s.mlpackage", compression, PaletteStore(), kept_float16=kept(compression))
+    assert not palettize_program(programs["base"], tmp_path / "s.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
     assert not (tmp_path / "s.mlpackage").exists()
     compress_package(programs["base"], tmp_path / "p.mlpackage", compression)
     coremltools_palettized(programs["base"], tmp_path / "c.mlpackage", compression)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.evaluate.generate import generate
 from adapterpack.inputs.checked import check_inputs
 

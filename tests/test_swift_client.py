@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.verify.executor import ProgramExecutor
 from adapterpack.verify.metrics import compare_logits
 from factories import make_adapter, make_base

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.build.pipeline import build
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.manifest import load_manifest
 from adapterpack.verify.metrics import compare_logits, retention
 from adapterpack.verify.package import verify_package

@@ -89,7 +89,7 @@ def test_shape_or_dtype_change_is_refused(template, tmp_path):
 def test_patching_a_compressed_base_equals_compressing_the_changed_model(template, tmp_path, settings):
     """The fast path of a fused function: patch palettized records into the compressed base.
     It must give byte for byte what compressing the model with the new weight gives."""
-    from adapterpack.build.cache import FolderPalettes
+    from adapterpack.assemble.cache import FolderPalettes
     from adapterpack.compress.model import palettized_records
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.manifest import Compression

@@ -39,6 +39,13 @@ class OutputExists(BadInput):
     """The output exists and ``--force`` was not given (exit 2)."""
 
 
+def warn_or_refuse(message: str, *, strict: bool, log) -> None:
+    """A warning on ``log``, or with ``--strict`` a BadInput (exit 2) saying so."""
+    if strict:
+        raise BadInput(f"{message} (an error with --strict)")
+    log.warning("%s", message)
+
+
 EXIT_CODES = {
     0: "success",
     1: "internal error (a bug: please report it with ADAPTERPACK_DEBUG=1 output)",

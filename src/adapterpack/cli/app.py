@@ -16,10 +16,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from adapterpack.build.builder import check_value_ranges
-from adapterpack.build.pipeline import build as run_build
-from adapterpack.build.pipeline import build_function_part, merge_from_parts
-from adapterpack.build.records import BuildOptions
+from adapterpack.assemble.builder import check_value_ranges
+from adapterpack.assemble.pipeline import build as run_build
+from adapterpack.assemble.pipeline import build_function_part, merge_from_parts
+from adapterpack.assemble.records import BuildOptions
 from adapterpack.cli.boundary import configure_logging, error_boundary
 from adapterpack.cli.render import (
     ConsoleReporter,
@@ -84,7 +84,7 @@ _interrupted = False
 
 
 ManifestArg = Annotated[Path, typer.Argument(help="Manifest YAML, e.g. manifests/demo.yaml", show_default=False)]
-# The flags several commands share (see build.records.BuildOptions), declared once.
+# The flags several commands share (see assemble.records.BuildOptions), declared once.
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the new one succeeded)")]
 AllowPickleOption = Annotated[bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")]
 StrictOption = Annotated[
@@ -521,7 +521,7 @@ def cache_key_command(
     """
     configure_logging(quiet=True)
     with error_boundary():
-        from adapterpack.build.pipeline import cache_key
+        from adapterpack.assemble.pipeline import cache_key
 
         key, prefix = cache_key(manifest, function)
         print(f"key={key}")
@@ -537,7 +537,7 @@ CacheFolderArg = Annotated[Path, typer.Argument(help="The build cache folder", s
 
 
 def _open_cache(folder: Path):
-    from adapterpack.build.cache import BuildCache
+    from adapterpack.assemble.cache import BuildCache
 
     if not folder.is_dir():
         raise BadInput(f"{folder}: no build cache here (builds make .adapterpack-cache beside their output)")
@@ -573,7 +573,7 @@ def cache_verify(folder: CacheFolderArg = Path(".adapterpack-cache")) -> None:
     """
     configure_logging(quiet=True)
     with error_boundary():
-        from adapterpack.build.cache import Entry
+        from adapterpack.assemble.cache import Entry
 
         cache = _open_cache(folder)
         checked = damaged = 0

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
-from adapterpack.build.records import ProgressLines, progress_text
+from adapterpack.assemble.records import ProgressLines, progress_text
 from adapterpack.errors import BadInput
 from adapterpack.report.memory import human_size
 
@@ -91,10 +91,10 @@ def parse_size(text: str) -> int:
 
 
 def cache_listing(cache) -> dict:
-    """What a build cache holds, by kind (``build.cache.BuildCache``): JSON-ready."""
+    """What a build cache holds, by kind (``assemble.cache.BuildCache``): JSON-ready."""
     import time
 
-    from adapterpack.build.cache import KINDS, Entry
+    from adapterpack.assemble.cache import KINDS, Entry
 
     kinds = {kind: {"entries": 0, "bytes": 0, "last_used": None, "holds": what} for kind, what in KINDS.items()}
     unreadable = []

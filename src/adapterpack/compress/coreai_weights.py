@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from adapterpack.compress.palettes import PaletteStore, content_digest, grouped_rows
-from adapterpack.config.compression import LORA_PATTERNS, WEIGHT_THRESHOLD, matches_any
+from adapterpack.config.compression import weight_setting
 from adapterpack.config.manifest import Compression
 
 log = logging.getLogger(__name__)
@@ -161,20 +161,12 @@ class CoreAIWeights:
         """Module name -> the module to put in its place: each linear layer or embedding whose
         weight the manifest compresses, computing from the compressed form.
         ``progress(done, total)``: see ``modules``."""
-        lora_compression = lora_compression or Compression(method="none")
-        keep = (*compression.keep_float16, *LORA_PATTERNS)
         chosen: dict[Compression, dict[str, nn.Module]] = {}
         for name, module in model.named_modules():
-            if type(module) not in (nn.Linear, nn.Embedding) or module.weight.numel() <= WEIGHT_THRESHOLD:
+            if type(module) not in (nn.Linear, nn.Embedding):
                 continue
-            flat_name = name.replace(".", "_")
-            if matches_any(flat_name, LORA_PATTERNS):
-                setting = lora_compression
-            elif matches_any(flat_name, keep):
-                continue
-            else:
-                setting = compression
-            if setting.method != "none":
+            setting = weight_setting(name, tuple(module.weight.shape), compression, lora_compression)
+            if setting is not None:
                 chosen.setdefault(setting, {})[name] = module
         replaced: dict[str, nn.Module] = {}
         for setting, members in chosen.items():

@@ -20,16 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from adapterpack.compress.palettes import PaletteStore, grouped_rows
-from adapterpack.config.compression import LORA_PATTERNS, WEIGHT_THRESHOLD, matches_any
+from adapterpack.config.compression import WEIGHT_THRESHOLD, is_lora_weight, weight_setting
 from adapterpack.config.manifest import Compression
 from adapterpack.quiet import captured_output, import_coremltools
 
 log = logging.getLogger(__name__)
-
-# Constants that are never compressed whatever the manifest says: rope tables feed sin/cos
-# positions (errors here shift every token), and tiny tensors gain nothing.
-ALWAYS_FLOAT16 = ("rope_cos", "rope_sin")
-
 
 def weight_values(mlmodel) -> dict[str, np.ndarray]:
     """The weight constants large enough to be compressed, by name."""
@@ -95,23 +90,19 @@ def compress_model(
     matrices, which are otherwise left float16. ``palettes`` is the build's palette store (a
     fresh in-memory one when not given).
     """
-    lora_compression = lora_compression or Compression(method="none")
-    if compression.method == "none" and lora_compression.method == "none":
+    if compression.method == "none" and (lora_compression is None or lora_compression.method == "none"):
         return mlmodel
     palettes = palettes if palettes is not None else PaletteStore()
     import_coremltools()
     from coremltools.optimize import coreml as cto
 
     values = weight_values(mlmodel)
-    names = list(values)
-    lora_names = [n for n in names if matches_any(n, LORA_PATTERNS)]
+    settings = {name: weight_setting(name, value.shape, compression, lora_compression) for name, value in values.items()}
+    lora_names = [name for name, setting in settings.items() if setting is not None and is_lora_weight(name)]
+    # Two passes: the base weights, then (keep mode) the LoRA matrices with their own setting.
     if compression.method != "none":
         op_config, apply = OP_CONFIGS[compression.method](compression, palettes)
-        excluded = {
-            name: None
-            for name in names
-            if matches_any(name, ALWAYS_FLOAT16) or matches_any(name, tuple(compression.keep_float16)) or name in lora_names
-        }
+        excluded = {name: None for name, setting in settings.items() if setting is None or is_lora_weight(name)}
         if compression.method == "palettize":
             palettes.prime({n: v for n, v in values.items() if n not in excluded}, compression)
         # coremltools loads its own copy of the weights: drop ours first (a 1B model's float16
@@ -125,7 +116,7 @@ def compress_model(
             # Palettes are on disk now; the next function reloads what it shares in a moment.
             palettes.clear()
     del values
-    if lora_compression.method != "none" and lora_names:
+    if lora_names:
         op_config, apply = OP_CONFIGS[lora_compression.method](lora_compression, palettes)
         config = cto.OptimizationConfig(global_config=None, op_name_configs={name: op_config for name in lora_names})
         with captured_output():
@@ -149,14 +140,14 @@ def compress_package(
     """
     from adapterpack.compress.program import palettize_program
 
-    lora_compression = lora_compression or Compression(method="none")
-    if compression.method == "none" and lora_compression.method == "none":
+    lora_plain = lora_compression is None or lora_compression.method == "none"
+    if compression.method == "none" and lora_plain:
         shutil.copytree(source, target)
         return
     palettes = palettes if palettes is not None else PaletteStore()
-    if compression.method == "palettize" and lora_compression.method == "none":
-        keep = (*ALWAYS_FLOAT16, *compression.keep_float16, *LORA_PATTERNS)
-        if palettize_program(source, target, compression, palettes, kept_float16=lambda name: matches_any(name, keep), progress=progress):
+    if compression.method == "palettize" and lora_plain:
+        setting_of = lambda name, shape: weight_setting(name, shape, compression)  # noqa: E731
+        if palettize_program(source, target, compression, palettes, setting_of=setting_of, progress=progress):
             return
     ct = import_coremltools()
     with captured_output():

@@ -28,11 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from adapterpack.compress.palettes import PaletteStore, grouped_rows
-from adapterpack.config.compression import WEIGHT_THRESHOLD
 from adapterpack.config.manifest import Compression
 from adapterpack.mlpackage.blob import BlobWriter, record_metadata
 from adapterpack.mlpackage.spec import MODEL_PATH_PREFIX, load_spec_file, op_values, spec_path, walk_ops
 from adapterpack.quiet import import_coreml_proto
+
+# (weight name, shape) -> its compression, None when it stays float16 (config.compression.weight_setting).
+SettingOf = Callable[[str, tuple[int, ...]], Compression | None]
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,10 @@ def _blocks(spec) -> Iterator[object]:
         yield from function.block_specializations.values()
 
 
-def _weights_to_palettize(spec, compression: Compression, kept_float16: Callable[[str], bool]) -> list[_Weight] | None:
-    """The const ops coremltools' ``palettize_weights`` would compress (same rules: stored in the
-    blob, rank >= 2, more than ``WEIGHT_THRESHOLD`` elements, not kept float16), or None when one
-    of them is not something this module writes the way coremltools does."""
+def _weights_to_palettize(spec, compression: Compression, setting_of: SettingOf) -> list[_Weight] | None:
+    """The const ops stored in the blob that ``setting_of(name, shape)`` compresses (the rule of
+    ``config.compression.weight_setting``), or None when one of them is not something this module
+    writes the way coremltools does."""
     data_types = import_coreml_proto().MIL_pb2.DataType
     weights: list[_Weight] = []
     for block in _blocks(spec):
@@ -78,7 +80,7 @@ def _weights_to_palettize(spec, compression: Compression, kept_float16: Callable
                 return None
             shape = tuple(d.constant.size for d in tensor.dimensions)
             name = _op_name(op)
-            if len(shape) < 2 or math.prod(shape) <= WEIGHT_THRESHOLD or kept_float16(name):
+            if setting_of(name, shape) is None:
                 continue
             rows = shape[0] if compression.granularity == "per_tensor" else compression.group_size
             # coremltools stores a palette of fewer than 10 values inline, not in the blob
@@ -127,17 +129,17 @@ def palettize_program(
     compression: Compression,
     palettes: PaletteStore,
     *,
-    kept_float16: Callable[[str], bool],
+    setting_of: SettingOf,
     progress: Callable[[int, int], None] | None = None,
 ) -> bool:
     """Write ``target``: the program of package ``source`` with its weights palettized as
-    ``compression`` says (``kept_float16(name)``: weights left alone), exactly as coremltools
+    ``compression`` says (``setting_of(name, shape)``: None for weights left alone), exactly as coremltools
     would. Returns False, writing nothing, when coremltools has to do it instead.
 
     ``progress(done, total)``: weight values written so far, after each weight.
     """
     spec = load_spec_file(spec_path(source))
-    weights = _weights_to_palettize(spec, compression, kept_float16)
+    weights = _weights_to_palettize(spec, compression, setting_of)
     if weights is None:
         return False
     nbits = compression.nbits

@@ -1,11 +1,20 @@
-"""Compression rules shared by the stages: which tensors are compressed at all (size threshold,
-LoRA matrices) and how ``keep_float16`` patterns match a weight's name.
+"""Which compression each weight gets: the one rule both compressors (Core ML's through
+coremltools, Core AI's in torch) and the memory estimate follow, and how ``keep_float16``
+patterns match a weight's name.
+
+"No compression" has one form: ``weight_setting`` returns None (a manifest's ``method: none``
+comes out so too).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from adapterpack.config.manifest import Compression
 
 log = logging.getLogger(__name__)
 
@@ -13,8 +22,13 @@ log = logging.getLogger(__name__)
 # Name fragments of peft's low-rank matrices once traced (``..._lora_A_default_weight``).
 LORA_PATTERNS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
-
+# coremltools compresses a constant only when it has more values than this (and rank >= 2:
+# it refuses 1-D tensors, rdar://113860800); the other writer and the estimate follow it.
 WEIGHT_THRESHOLD = 2048
+
+# Constants never compressed whatever the manifest says: rope tables feed sin/cos positions
+# (errors here shift every token).
+ALWAYS_FLOAT16 = ("rope_cos", "rope_sin")
 
 
 def matches_any(const_name: str, patterns: tuple[str, ...]) -> bool:
@@ -26,3 +40,56 @@ def matches_any(const_name: str, patterns: tuple[str, ...]) -> bool:
         elif normalized in const_name:
             return True
     return False
+
+
+def is_lora_weight(name: str) -> bool:
+    """A LoRA A/B matrix (keep mode), by its module path or traced constant name."""
+    return matches_any(name.replace(".", "_"), LORA_PATTERNS)
+
+
+def weight_setting(
+    name: str, shape: tuple[int, ...], compression: Compression, lora_compression: Compression | None = None
+) -> Compression | None:
+    """The setting weight ``name`` (a module path or a traced constant name) of ``shape`` is
+    compressed with, or None when it stays float16: too small or 1-D, a rope table, a
+    ``keep_float16`` match, a method ``none``, or groups or blocks that do not tile it. LoRA matrices follow ``lora_compression``
+    (None: float16), not ``keep_float16``."""
+    flat = name.replace(".", "_")
+    if len(shape) < 2 or math.prod(shape) <= WEIGHT_THRESHOLD or matches_any(flat, ALWAYS_FLOAT16):
+        return None
+    if matches_any(flat, LORA_PATTERNS):
+        setting = lora_compression
+    elif matches_any(flat, tuple(compression.keep_float16)):
+        return None
+    else:
+        setting = compression
+    if setting is None or setting.method == "none" or not _fits(shape, setting):
+        return None
+    return setting
+
+
+def _fits(shape: tuple[int, ...], setting: Compression) -> bool:
+    """Whether ``setting`` splits a weight of ``shape`` as coremltools does: channel groups must
+    tile the output channels (axis 0), blocks the input channels (the last axis); coremltools
+    leaves a weight they do not tile float16."""
+    if setting.method == "palettize" and setting.granularity != "per_tensor":
+        return shape[0] % setting.group_size == 0
+    if setting.method == "linear" and setting.granularity == "per_block":
+        return shape[-1] % setting.block_size == 0
+    return True
+
+
+def compressed_bytes(shape: tuple[int, ...], setting: Compression | None) -> int:
+    """Bytes a float16 weight of ``shape`` takes stored with ``setting`` (None: float16):
+    palettized, nbits per value plus float16 palettes; linear, nbits per value plus a float16
+    scale per block or channel; pruned, the kept float16 values plus a one-bit mask."""
+    count = math.prod(shape)
+    if setting is None:
+        return 2 * count
+    if setting.method == "palettize":
+        groups = 1 if setting.granularity == "per_tensor" else max(1, shape[0] // setting.group_size)
+        return count * setting.nbits // 8 + groups * (1 << setting.nbits) * 2
+    if setting.method == "linear":
+        per = setting.block_size if setting.granularity == "per_block" else shape[-1]
+        return count * setting.nbits // 8 + 2 * count // max(1, per)
+    return int(count * (1 - setting.sparsity)) * 2 + count // 8  # prune

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from adapterpack.config.compression import WEIGHT_THRESHOLD, matches_any
+from adapterpack.config.compression import compressed_bytes, weight_setting
 from adapterpack.errors import BadInput
 
 GIB = 1 << 30
@@ -344,36 +344,15 @@ def largest_context_that_fits(
     return low * CONTEXT_STEP
 
 
-def estimated_weight_bytes(tensors: dict, compression, lora_tensors: dict | None = None) -> int:
-    """Bytes one function's weights will take once compressed, from the base's tensor shapes.
-
-    Mirrors what ``compress.model`` does: tensors under the compression threshold or matching
-    ``keep_float16`` stay float16; palettized weights cost nbits per value plus float16 palettes;
-    linear ones nbits per value plus a float16 scale per block/channel; pruned ones the kept
-    float16 values plus a one-bit mask. LoRA matrices (keep mode) are float16.
-    """
-
-    total = 0
-    for name, info in tensors.items():
-        count = math.prod(info.shape)
-        module_name = name.replace(".", "_")
-        plain = (
-            compression.method == "none"
-            or len(info.shape) < 2
-            or count < WEIGHT_THRESHOLD
-            or matches_any(module_name, tuple(compression.keep_float16))
-        )
-        if plain:
-            total += 2 * count
-        elif compression.method == "palettize":
-            groups = 1 if compression.granularity == "per_tensor" else max(1, info.shape[0] // compression.group_size)
-            total += count * compression.nbits // 8 + groups * (1 << compression.nbits) * 2
-        elif compression.method == "linear":
-            per = compression.block_size if compression.granularity == "per_block" else info.shape[-1]
-            total += count * compression.nbits // 8 + 2 * count // max(1, per)
-        else:  # prune
-            total += int(count * (1 - compression.sparsity)) * 2 + count // 8
-    return total + lora_float16_bytes(lora_tensors or {})
+def estimated_weight_bytes(tensors: dict, compression, lora_tensors: dict | None = None, lora_compression=None) -> int:
+    """Bytes one function's weights will take once compressed, from the base's tensor shapes and
+    (keep mode) the adapter's LoRA matrices, each stored as ``weight_setting`` decides: the rule
+    the compressors follow."""
+    lora = {name: info for name, info in (lora_tensors or {}).items() if "lora_" in name}
+    return sum(
+        compressed_bytes(tuple(info.shape), weight_setting(name, tuple(info.shape), compression, lora_compression))
+        for name, info in {**tensors, **lora}.items()
+    )
 
 
 def lora_float16_bytes(tensors: dict) -> int:

@@ -13,7 +13,7 @@ from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE, cache_
 from adapterpack.config.devices import estimated_weight_bytes, find_device, largest_context_that_fits
 from adapterpack.config.families import check_family
 from adapterpack.config.manifest import Manifest, load_manifest, looks_like_hub_id
-from adapterpack.errors import BadInput
+from adapterpack.errors import BadInput, warn_or_refuse
 from adapterpack.inputs.adapter import AdapterInfo, inspect_adapter
 from adapterpack.inputs.base import BaseInfo, check_weight_shapes, resolve_base
 
@@ -65,9 +65,7 @@ def check_inputs(
                 "modules, which cannot be shared: use lora: fuse for this adapter"
             )
         for warning in info.warnings:
-            if strict:
-                raise BadInput(f"{warning} (an error with --strict)")
-            log.warning("%s", warning)
+            warn_or_refuse(warning, strict=strict, log=log)
         adapters[adapter.name] = info
     if manifest.export.max_context == "auto":
         manifest = _resolve_auto_context(manifest, base, adapters)
@@ -98,9 +96,7 @@ def check_state_sizes(checked: CheckedInputs, *, strict: bool) -> None:
     manifest = checked.manifest
     head_dim = _head_dim(_text_config(checked.base))
     for finding in cache_length_findings(int(manifest.export.max_context), head_dim, str(manifest.source)):
-        if strict:
-            raise BadInput(f"{finding.line()} (an error with --strict)")
-        log.warning("%s", finding.line())
+        warn_or_refuse(finding.line(), strict=strict, log=log)
 
 
 def _text_config(base: BaseInfo) -> dict:
@@ -121,7 +117,8 @@ def _resolve_auto_context(manifest: Manifest, base, adapters: dict) -> Manifest:
     for name in manifest.function_names:
         info = adapters.get(name)
         lora = info.tensors if info is not None and manifest.lora_mode(name) == "keep" else {}
-        largest = max(largest, estimated_weight_bytes(base.tensors, manifest.compression_for(name), lora))
+        weights = estimated_weight_bytes(base.tensors, manifest.compression_for(name), lora, manifest.lora_compression)
+        largest = max(largest, weights)
     device = find_device(manifest.export.target_device)
     context = largest_context_that_fits(
         device,

@@ -17,9 +17,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.build.pipeline import build, chosen_format
-from adapterpack.build.records import BuildOptions, BuildResult, Reporter
-from adapterpack.build.staging import Staging
+from adapterpack.assemble.pipeline import build, chosen_format
+from adapterpack.assemble.records import BuildOptions, BuildResult, Reporter
+from adapterpack.assemble.staging import Staging
 from adapterpack.errors import BadInput, OutOfResources, OutputExists
 from adapterpack.inputs.checked import check_inputs
 from adapterpack.inputs.safetensors import sha256_files

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from adapterpack.build.parts import place
+from adapterpack.assemble.parts import place
 from adapterpack.errors import BadInput
 from adapterpack.inputs.safetensors import sha256_files
 from adapterpack.mlpackage.aimodel import is_asset

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.build.parts import PartRecord, link_or_copy, place
+from adapterpack.assemble.parts import PartRecord, link_or_copy, place
 from adapterpack.verify.reports import function_report_from_json
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from adapterpack.build.builder import check_value_ranges
-from adapterpack.build.parts import PartRecord
-from adapterpack.build.records import FunctionRecord, Reporter
+from adapterpack.assemble.builder import check_value_ranges
+from adapterpack.assemble.parts import PartRecord
+from adapterpack.assemble.records import FunctionRecord, Reporter
 from adapterpack.inputs.checked import CheckedInputs, hf_name
 from adapterpack.mlpackage.metadata import METADATA_PREFIX, library_versions, package_metadata
 
@@ -37,7 +37,7 @@ def model_sizes(config: dict) -> dict[str, int | None]:
 
 def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cache=None) -> list[FunctionRecord]:
     """Write ``target`` (a ``.aimodel``): one entry point per function of ``checked``'s manifest."""
-    from adapterpack.build.cache import FolderPalettes
+    from adapterpack.assemble.cache import FolderPalettes
     from adapterpack.compress.coreai_weights import CoreAIWeights
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.convert.base_model import load_base, stored_weight_reader

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
-from adapterpack.build.records import FunctionRecord
+from adapterpack.assemble.records import FunctionRecord
 from adapterpack.errors import BadInput
 from adapterpack.mlpackage.metadata import library_versions
 

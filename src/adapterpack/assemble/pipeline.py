@@ -12,20 +12,20 @@ import logging
 import time
 from pathlib import Path
 
-from adapterpack.build.builder import (
+from adapterpack.assemble.builder import (
     build_parts,
     folder_size,
     merge_parts,
     template_key,
 )
-from adapterpack.build.cache import BuildCache
-from adapterpack.build.parts import PartRecord, content_key, read_parts, write_part
-from adapterpack.build.records import BuildOptions, BuildResult, Reporter
-from adapterpack.build.staging import Staging
+from adapterpack.assemble.cache import BuildCache
+from adapterpack.assemble.parts import PartRecord, content_key, read_parts, write_part
+from adapterpack.assemble.records import BuildOptions, BuildResult, Reporter
+from adapterpack.assemble.staging import Staging
 from adapterpack.config.device_rules import package_findings
 from adapterpack.config.devices import lora_float16_bytes
 from adapterpack.config.manifest import Manifest, format_of
-from adapterpack.errors import BadInput, OutputExists, VerificationFailed
+from adapterpack.errors import BadInput, OutputExists, VerificationFailed, warn_or_refuse
 from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_sizes
 from adapterpack.mlpackage.functions import written_by_adapterpack
 from adapterpack.mlpackage.spec import load_spec_file, spec_path
@@ -45,9 +45,7 @@ def check_device_rules(package: Path, *, strict: bool, sizes_checked: bool = Fal
     if sizes_checked:
         findings = [f for f in findings if f.rule != "ane-state-multiple"]
     for finding in findings:
-        if strict:
-            raise BadInput(f"{finding.line()} (an error with --strict)")
-        log.warning("%s", finding.line())
+        warn_or_refuse(finding.line(), strict=strict, log=log)
     return findings
 
 
@@ -181,7 +179,7 @@ def chosen_format(manifest: Manifest, output: str | Path | None, package_format:
 def _build_asset(checked: CheckedInputs, destination: Path, options: BuildOptions, reporter: Reporter, cache, started: float) -> BuildResult:
     """The ``.aimodel`` build: one converter session for every function, verified with the Core AI
     runtime in staging. No parts: the asset is written whole (build cache: palettes only)."""
-    from adapterpack.build.aimodel import build_asset
+    from adapterpack.assemble.aimodel import build_asset
 
     manifest = checked.manifest
     report = None

@@ -9,8 +9,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from adapterpack.build.parts import PART_FORMAT, Part, PartRecord, content_key, place
-from adapterpack.build.records import Reporter
+from adapterpack.assemble.parts import PART_FORMAT, Part, PartRecord, content_key, place
+from adapterpack.assemble.records import Reporter
 from adapterpack.errors import BadInput
 from adapterpack.inputs.checked import CheckedInputs, hf_name
 from adapterpack.mlpackage.merge import merge_functions
@@ -34,7 +34,7 @@ def build_parts(
     Returns the parts and the names of the functions reused from the cache. The base is loaded
     only if some part has to be built.
     """
-    from adapterpack.build.cache import FolderPalettes
+    from adapterpack.assemble.cache import FolderPalettes
     from adapterpack.compress.palettes import PaletteStore
 
     manifest = checked.manifest

@@ -1,0 +1,103 @@
+"""The packages whose bytes must not change when the code that writes them is reorganised.
+
+Each variant is a manifest (the demo, or a family project of ``factories``) with one format, LoRA
+mode and compression; ``tests/package_digests.json`` holds the tree digest each one had when it
+was recorded, beside the library versions that wrote it (the bytes depend on them). Recording
+again is a deliberate act, for a change that is meant to change the bytes:
+
+    .venv/bin/python tests/package_digests.py --write      # rebuild every variant, record digests
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from factories import FAMILIES, make_family_project, tree_digest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RECORD = Path(__file__).resolve().parent / "package_digests.json"
+FORMATS = ("mlpackage", "aimodel")
+MODES = ("fuse", "keep")
+# Compression on the llama project beyond its float16 default: every method, and keep mode's
+# separately compressed LoRA matrices.
+METHODS = {
+    "linear4": "{method: linear, nbits: 4, granularity: per_block, block_size: 32}",
+    "linear8": "{method: linear, nbits: 8, granularity: per_channel}",
+    "prune": "{method: prune, sparsity: 0.5}",
+    "palettize-lora8": "{method: palettize, nbits: 4}\nlora_compression: {method: linear, nbits: 8}",
+}
+
+
+def variants() -> list[str]:
+    names = [f"demo-{mode}-{fmt}" for mode in MODES for fmt in FORMATS]
+    names += [f"{family}-{mode}-{fmt}" for family in FAMILIES for mode in MODES for fmt in FORMATS]
+    names += [f"llama+{method}-{mode}-{fmt}" for method in METHODS for mode in MODES for fmt in FORMATS]
+    return names
+
+
+def manifest_of(variant: str, root: Path) -> Path:
+    """Write the manifest of ``variant`` under ``root``; returns it."""
+    project, mode, _ = variant.rsplit("-", 2)
+    root.mkdir(parents=True, exist_ok=True)
+    if project == "demo":
+        text = (REPO / "manifests" / "demo.yaml").read_text().replace("path: ../adapters", f"path: {REPO}/adapters")
+        text = re.sub(r"(?m)^(output|lora):.*\n", "", text)
+        manifest = root / "m.yaml"
+        manifest.write_text(text + f"lora: {mode}\n")
+        return manifest
+    family, _, method = project.partition("+")
+    manifest = make_family_project(root, family)
+    text = re.sub(r"(?m)^compression:.*\n", "", manifest.read_text())
+    text += f"lora: {mode}\ncompression: {METHODS[method] if method else '{method: none}'}\n"
+    manifest.write_text(text)
+    return manifest
+
+
+# Adapters record their base's absolute path (peft's base_model_name_or_path), and the package
+# records the adapters' hashes: every variant is built at the same place on every machine.
+WORK = Path("/tmp/adapterpack-package-digests")
+
+
+def built_digest(variant: str) -> str:
+    import shutil
+
+    from adapterpack.assemble.pipeline import build
+    from adapterpack.assemble.records import BuildOptions
+
+    fmt = variant.rsplit("-", 1)[1]
+    root = WORK / variant
+    shutil.rmtree(root, ignore_errors=True)
+    manifest = manifest_of(variant, root)
+    result = build(manifest, output=root / f"out.{fmt}", options=BuildOptions(use_cache=False, verify=False))
+    digest = tree_digest(result.output)
+    shutil.rmtree(root)
+    return digest
+
+
+def versions() -> dict[str, str]:
+    from adapterpack.mlpackage.metadata import library_versions
+
+    return library_versions(core_ai=True)
+
+
+def recorded() -> dict:
+    return json.loads(RECORD.read_text()) if RECORD.exists() else {"versions": {}, "digests": {}}
+
+
+def main() -> None:
+    if sys.argv[1:] != ["--write"]:
+        sys.exit(__doc__)
+    digests = {}
+    for variant in variants():
+        digests[variant] = built_digest(variant)
+        print(variant, digests[variant], flush=True)
+    RECORD.write_text(json.dumps({"versions": versions(), "digests": digests}, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
