@@ -80,9 +80,11 @@ def built_digest(variant: str) -> str:
 
 
 def versions() -> dict[str, str]:
-    from adapterpack.mlpackage.metadata import library_versions
+    from adapterpack.formats.metadata import library_versions
 
-    return library_versions(core_ai=True)
+    from adapterpack.formats.registry import FORMATS
+
+    return {name: library_versions(f.libraries) for name, f in FORMATS.items()}
 
 
 def recorded() -> dict:

@@ -70,7 +70,7 @@ def test_build_writes_one_multifunction_package(built, project):
 
 
 def test_package_metadata_records_provenance(built, project):
-    from adapterpack.mlpackage.functions import read_functions
+    from adapterpack.formats.registry import read_functions
 
     metadata = read_functions(built).metadata
     assert metadata["co.huggingface.exporters.name"] == "adapterpack-tests/tiny-llama"

@@ -249,7 +249,7 @@ def test_an_mlpackage_never_imports_core_ai():
 
 def test_an_asset_without_its_extra_is_one_line(tmp_path, monkeypatch):
     """Reading an .aimodel without coreai-core installed: exit 2 naming the extra."""
-    from adapterpack.mlpackage import aimodel
+    from adapterpack.formats.aimodel import asset as aimodel
 
     (tmp_path / "x.aimodel").mkdir()
     (tmp_path / "x.aimodel" / "main.mlirb").write_bytes(b"")

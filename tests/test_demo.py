@@ -67,7 +67,7 @@ def test_demo_op_types_all_have_executor_tests(demo):
 
 
 def test_demo_metadata_names_the_tokenizer(demo):
-    from adapterpack.mlpackage.functions import read_functions
+    from adapterpack.formats.registry import read_functions
 
     metadata = read_functions(demo.output).metadata
     assert metadata["co.huggingface.exporters.name"] == "adapterpack/demo-base"

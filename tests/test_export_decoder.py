@@ -138,7 +138,7 @@ def test_a_conversion_does_not_depend_on_earlier_ones_in_the_process(tmp_path):
     byte-identical to the same program converted first."""
     from adapterpack.convert.base_model import load_base
     from adapterpack.convert.coreml import convert_decoder
-    from adapterpack.mlpackage.spec import spec_path
+    from adapterpack.formats.mlpackage.spec import spec_path
     from adapterpack.quiet import captured_output
     from adapterpack.verify.executor import ProgramExecutor
 

@@ -11,8 +11,8 @@ import pytest
 from adapterpack.assemble.pipeline import build, build_function_part
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.merge import merge_functions, read_spec
-from adapterpack.mlpackage.spec import op_values, walk_ops
+from adapterpack.formats.mlpackage.merge import merge_functions, read_spec
+from adapterpack.formats.mlpackage.spec import op_values, walk_ops
 from factories import make_adapter, make_project, tree_digest
 
 MANIFEST = """name: merging
@@ -100,7 +100,7 @@ def test_function_digest_is_the_function_not_the_package(parts, tmp_path):
     sit elsewhere), and changes when one byte of a weight it reads changes."""
     import shutil
 
-    from adapterpack.mlpackage.digest import function_digests
+    from adapterpack.formats.mlpackage.digest import function_digests
 
     merged = tmp_path / "m.mlpackage"
     returned = merge_functions(parts, default_function="code", destination=merged, metadata={}, description="d")

@@ -11,7 +11,7 @@ import pytest
 from adapterpack.assemble.pipeline import build, build_function_part, merge_from_parts
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.functions import read_functions
+from adapterpack.formats.registry import read_functions
 from factories import CACHED_MANIFEST, make_adapter, make_cached_project, tree_digest
 
 MANIFEST = CACHED_MANIFEST.format(name="parts")

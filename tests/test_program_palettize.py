@@ -19,8 +19,8 @@ from adapterpack.compress.palettes import PaletteStore
 from adapterpack.compress.program import pack_indices, palettize_program
 from adapterpack.config.compression import weight_setting
 from adapterpack.config.manifest import Compression
-from adapterpack.mlpackage.spec import load_spec_file, spec_path, walk_ops
-from adapterpack.mlpackage.weight_patch import WEIGHTS
+from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path, walk_ops
+from adapterpack.formats.mlpackage.weight_patch import WEIGHTS
 from adapterpack.quiet import captured_output, import_coremltools
 
 SETTINGS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapterpack.mlpackage.weight_patch import WEIGHTS, TensorChange, patch_weights
+from adapterpack.formats.mlpackage.weight_patch import WEIGHTS, TensorChange, patch_weights
 
 
 def two_layer_program(path, w1, w2, compression=None, palettes=None):

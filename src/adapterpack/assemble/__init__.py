@@ -1,5 +1,5 @@
-"""The build: the order of stages (``pipeline``), the parts each function becomes
-(``builder``), the second writer for Core AI assets (``aimodel``), parts and the build cache,
-and staging of outputs."""
+"""The build: what it will do, decided once (``plan``), the order of stages (``pipeline``), the
+Core ML writer's parts (``builder``, ``parts``), the Core AI writer (``aimodel``), the build
+cache, and staging of outputs."""
 
-__all__ = ["aimodel", "builder", "cache", "parts", "pipeline", "records", "staging"]
+__all__ = ["aimodel", "builder", "cache", "parts", "pipeline", "plan", "records", "staging"]

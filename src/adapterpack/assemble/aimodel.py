@@ -19,8 +19,9 @@ from pathlib import Path
 from adapterpack.assemble.builder import check_value_ranges
 from adapterpack.assemble.parts import PartRecord
 from adapterpack.assemble.records import FunctionRecord, Reporter
+from adapterpack.formats.aimodel.format import AIMODEL
+from adapterpack.formats.metadata import METADATA_PREFIX, library_versions, package_metadata
 from adapterpack.inputs.checked import CheckedInputs, hf_name
-from adapterpack.mlpackage.metadata import METADATA_PREFIX, library_versions, package_metadata
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
             default_function=manifest.default,
             max_context=first.max_context,
             base={k: first.base[k] for k in ("source", "revision", "sha256")},
-            versions=library_versions(core_ai=True),
+            versions=library_versions(AIMODEL.libraries),
         )
         # What `inspect` needs for the activations estimate, which a .mlpackage reads from its program.
         metadata[METADATA_PREFIX + "shape"] = json.dumps(model_sizes(checked.base.config), sort_keys=True)

@@ -12,10 +12,11 @@ from pathlib import Path
 from adapterpack.assemble.parts import PART_FORMAT, Part, PartRecord, content_key, place
 from adapterpack.assemble.records import Reporter
 from adapterpack.errors import BadInput
+from adapterpack.formats.metadata import library_versions, package_metadata
+from adapterpack.formats.mlpackage.format import MLPACKAGE
+from adapterpack.formats.mlpackage.merge import merge_functions
+from adapterpack.formats.mlpackage.weight_patch import TensorChange, patch_weights
 from adapterpack.inputs.checked import CheckedInputs, hf_name
-from adapterpack.mlpackage.merge import merge_functions
-from adapterpack.mlpackage.metadata import library_versions, package_metadata
-from adapterpack.mlpackage.weight_patch import TensorChange, patch_weights
 from adapterpack.quiet import captured_output
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def check_value_ranges(checked: CheckedInputs, functions: list[str], reporter: R
     with reporter.stage("check that the weights fit float16"):
         check_float16_range(checked, functions, cache)
     export = checked.manifest.export
-    if export.format == "aimodel" and export.compute_precision == "float32":
+    if export.compute_precision == "float32":  # only a format computing as stored allows it (Export.check_precision)
         return
     with reporter.stage(f"range check: {len(functions)} reference(s) on a calibration prompt"):
         check_reference_values(checked, functions)
@@ -151,7 +152,7 @@ def template_key(checked: CheckedInputs, compression=None) -> str:
         "base": checked.base.content_hash,
         "max_context": export.max_context,
         "deployment_target": export.deployment_target,
-        "versions": library_versions(),
+        "versions": library_versions(MLPACKAGE.libraries),
     }
     if compression is not None and compression.method != "none":
         record.update(compression=compression.model_dump(mode="json"), palettes=PALETTE_ALGORITHM)

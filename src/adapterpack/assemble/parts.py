@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 from adapterpack.assemble.records import FunctionRecord
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.metadata import library_versions
+from adapterpack.formats.metadata import library_versions
+from adapterpack.formats.mlpackage.format import MLPACKAGE
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class PartRecord:
             },
             max_context=manifest.export.max_context,
             deployment_target=manifest.export.deployment_target,
-            versions=library_versions(),
+            versions=library_versions(MLPACKAGE.libraries),
         )
 
     def as_json(self) -> dict:

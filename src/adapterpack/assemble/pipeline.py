@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapterpack.assemble.builder import (
@@ -20,15 +21,17 @@ from adapterpack.assemble.builder import (
 )
 from adapterpack.assemble.cache import BuildCache
 from adapterpack.assemble.parts import PartRecord, content_key, read_parts, write_part
-from adapterpack.assemble.records import BuildOptions, BuildResult, Reporter
+from adapterpack.assemble.plan import Plan, check_destination, checked_for, plan_build, refuse_whole_format
+from adapterpack.assemble.records import BuildOptions, BuildResult, FunctionRecord, Reporter
 from adapterpack.assemble.staging import Staging
 from adapterpack.config.device_rules import package_findings
 from adapterpack.config.devices import lora_float16_bytes
-from adapterpack.config.manifest import Manifest, format_of
-from adapterpack.errors import BadInput, OutputExists, VerificationFailed, warn_or_refuse
-from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_sizes
-from adapterpack.mlpackage.functions import written_by_adapterpack
-from adapterpack.mlpackage.spec import load_spec_file, spec_path
+from adapterpack.config.manifest import Manifest
+from adapterpack.errors import BadInput, VerificationFailed, warn_or_refuse
+from adapterpack.formats.format import Format
+from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path
+from adapterpack.formats.registry import named, of_package
+from adapterpack.inputs.checked import CheckedInputs, check_inputs
 from adapterpack.verify.package import verify_package
 from adapterpack.verify.reports import VERIFY_FORMAT
 
@@ -49,6 +52,18 @@ def check_device_rules(package: Path, *, strict: bool, sizes_checked: bool = Fal
     return findings
 
 
+@dataclass
+class Written:
+    """What a writer put in staging: the function records, and for a format built in parts,
+    each part's record and size, the functions taken from the cache, each function's digest."""
+
+    records: list[FunctionRecord]
+    parts: list = field(default_factory=list)  # [(PartRecord, part folder)]
+    part_sizes: dict[str, int] = field(default_factory=dict)
+    reused: list[str] = field(default_factory=list)
+    digests: dict[str, str] | None = None
+
+
 def build(
     manifest: Manifest | str | Path | CheckedInputs,
     *,
@@ -60,60 +75,22 @@ def build(
 
     Functions whose inputs, settings and tool versions are unchanged since a previous build are
     taken from the build cache (default ``.adapterpack-cache`` beside the output). Verification
-    runs on the merged package while it is still in staging: if it fails (VerificationFailed,
+    runs on the written package while it is still in staging: if it fails (VerificationFailed,
     exit 3), nothing is moved into place and a previous output is untouched.
     """
     reporter = reporter or Reporter()
     started = time.perf_counter()
-    checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
-    check_state_sizes(checked, strict=options.strict)
-    checked = checked.with_format(chosen_format(checked.manifest, output, options.package_format))
-    manifest = checked.manifest
-    destination = manifest.output_path(output)
-    check_destination(destination, checked, force=options.force)
-    cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
-    cache = BuildCache(cache_dir) if options.use_cache else None
-    if manifest.export.format == "aimodel":
-        return _build_asset(checked, destination, options, reporter, cache, started)
-    with Staging(destination) as staging:
-        parts, reused = build_parts(checked, staging.folder / "parts", reporter, cache=cache)
-        records = [record.function_record() for record, _ in parts]
-        part_sizes = {record.function: folder_size(path) for record, path in parts}
-        merged = staging.folder / destination.name
-        with reporter.stage("merge functions"):
-            digests = merge_parts(parts, merged)
-        check_device_rules(merged, strict=options.strict, sizes_checked=True)
-        report = None
-        backend = options.backend
-        if options.verify:
-
-            keys = {record.function: verdict_key(record, digests[record.function], manifest, backend) for record, _ in parts}
-            reuse = cache.verified(keys) if cache is not None else {}
-            label = f"verify {len(records) - len(reuse)} function(s) ({backend})"
-            with reporter.stage(label + (f"; {len(reuse)} with bytes equal to bytes verified before" if reuse else "")):
-                report = verify_package(
-                    merged, manifest, backend=backend, checked=checked, reuse=reuse, digests=digests, stage=reporter.stage
-                )
-            refuse_unless_passed(report, destination)
-            if cache is not None:
-                cache.put_verified({keys[f.name]: f for f in report.functions if f.name not in reuse})
-        staging.commit(merged)
-    if cache is not None:
-        templates = {template_key(checked)} | {template_key(checked, manifest.compression_for(n)) for n in manifest.function_names}
-        cache.prune_build(manifest.name, {record.key for record, _ in parts}, checked.base.content_hash, templates)
-
-    result = BuildResult(
-        output=destination,
-        manifest=manifest,
-        functions=records,
-        default_function=manifest.default,
-        part_sizes=part_sizes,
-        package_size=folder_size(destination),
-        seconds=time.perf_counter() - started,
-        verify_report=report,
-        reused=reused,
-    )
-    estimate = keep_mode_estimate(checked, result)
+    plan = plan_build(manifest, output, options)
+    with Staging(plan.destination) as staging:
+        staged = staging.folder / plan.destination.name
+        write = _write_in_parts if plan.format.fans_out else _write_whole
+        written = write(plan, staged, options, reporter)
+        report = _verified(plan, staged, written, options, reporter) if options.verify else None
+        staging.commit(staged)
+    if plan.cache is not None and written.parts:
+        _prune_cache(plan, written)
+    result = _result(plan.format, plan.destination, plan.manifest, written, report, started)
+    estimate = keep_mode_estimate(plan.checked, result)
     if estimate is not None and estimate < KEEP_HINT_RATIO * result.package_size:
         reporter.info(
             f"hint: with `lora: keep` this package would be about {estimate / 2**20:.1f} MiB instead of "
@@ -122,86 +99,73 @@ def build(
     return result
 
 
-def check_destination(destination: Path, checked: CheckedInputs | None, *, force: bool) -> None:
-    """Refuse an output that is, holds or lies inside an input (base, adapter, manifest,
-    tokenizer), or that exists and is not a package adapterpack wrote, with or without --force;
-    an existing package of ours needs --force."""
-    if "\0" in str(destination):
-        raise BadInput(f"{str(destination)!r}: the output path holds a NUL byte")
-    target = Path(destination).resolve()
-    inputs: list[Path] = []
-    if checked is not None:
-        inputs = [checked.base.folder, *(info.folder for info in checked.adapters.values())]
-        if checked.manifest.source is not None:
-            inputs.append(Path(checked.manifest.source))
-    for given in inputs:
-        given = Path(given).resolve()
-        if target == given or target in given.parents or given in target.parents:
-            raise BadInput(f"{destination}: the output would be written over or into an input ({given}): choose another output")
-    if not (destination.exists() or destination.is_symlink()):
-        return
-    if not written_by_adapterpack(destination):
-        raise BadInput(
-            f"{destination} exists and is not a package adapterpack wrote: it is never replaced, even with --force; "
-            "choose another output or remove it yourself"
+def _write_in_parts(plan: Plan, staged: Path, options: BuildOptions, reporter: Reporter) -> Written:
+    """A part per function (built or taken from the cache), merged into ``staged``."""
+    parts, reused = build_parts(plan.checked, staged.parent / "parts", reporter, cache=plan.cache)
+    with reporter.stage("merge functions"):
+        digests = merge_parts(parts, staged)
+    check_device_rules(staged, strict=options.strict, sizes_checked=True)
+    return Written(
+        records=[record.function_record() for record, _ in parts],
+        parts=parts,
+        part_sizes={record.function: folder_size(path) for record, path in parts},
+        reused=reused,
+        digests=digests,
+    )
+
+
+def _write_whole(plan: Plan, staged: Path, options: BuildOptions, reporter: Reporter) -> Written:
+    """Every function written into ``staged`` by one converter session (build cache: palettes only)."""
+    from adapterpack.assemble.aimodel import build_asset
+
+    return Written(records=build_asset(plan.checked, staged, reporter, cache=plan.cache))
+
+
+def _verified(plan: Plan, staged: Path, written: Written, options: BuildOptions, reporter: Reporter):
+    """Verify ``staged``, reusing verdicts the cache holds for bytes verified before; raise
+    VerificationFailed (exit 3, nothing written) unless every function passed."""
+    backend = plan.format.runtime or options.backend
+    keys = {
+        record.function: verdict_key(record, written.digests[record.function], plan.manifest, backend) for record, _ in written.parts
+    }
+    reuse = plan.cache.verified(keys) if plan.cache is not None and keys else {}
+    label = f"verify {len(written.records) - len(reuse)} function(s) ({backend})"
+    with reporter.stage(label + (f"; {len(reuse)} with bytes equal to bytes verified before" if reuse else "")):
+        report = verify_package(
+            staged, plan.manifest, backend=options.backend, checked=plan.checked, reuse=reuse, digests=written.digests,
+            stage=reporter.stage,
         )
-    if not force:
-        raise OutputExists(f"{destination} exists: pass --force to replace it")
+    refuse_unless_passed(report, plan.destination)
+    if plan.cache is not None and keys:
+        plan.cache.put_verified({keys[f.name]: f for f in report.functions if f.name not in reuse})
+    return report
+
+
+def _prune_cache(plan: Plan, written: Written) -> None:
+    manifest, checked = plan.manifest, plan.checked
+    templates = {template_key(checked)} | {template_key(checked, manifest.compression_for(n)) for n in manifest.function_names}
+    plan.cache.prune_build(manifest.name, {record.key for record, _ in written.parts}, checked.base.content_hash, templates)
+
+
+def _result(package_format: Format, destination: Path, manifest, written: Written, report, started: float) -> BuildResult:
+    return BuildResult(
+        output=destination,
+        manifest=manifest,
+        functions=written.records,
+        default_function=manifest.default if manifest is not None else written.parts[0][0].default_function,
+        part_sizes=written.part_sizes,
+        package_size=folder_size(destination),
+        seconds=time.perf_counter() - started,
+        verify_report=report,
+        reused=written.reused,
+        format=package_format,
+    )
 
 
 def refuse_unless_passed(report, destination: Path) -> None:
     """VerificationFailed (exit 3) unless every function passed; the output was not written."""
     if not report.passed:
         raise VerificationFailed(report.verdict() + f" (nothing written to {destination})").with_report(report)
-
-
-# Why fan-out stops at the .mlpackage: Core AI shares weights only between entry points converted
-# in one session, so separate jobs' assets could not be merged without storing the base again.
-ASSET_WHOLE = (
-    "parts and merge are for .mlpackage: an .aimodel is converted in one session to store the base once "
-    "(build it whole: adapterpack build MANIFEST --format aimodel)"
-)
-
-
-def chosen_format(manifest: Manifest, output: str | Path | None, package_format: str | None) -> str:
-    """The format a build writes: ``--format``, else the output path's suffix, else the manifest's."""
-    named = format_of(output) if output is not None else None
-    if package_format and named and named != package_format:
-        raise BadInput(f"--output {output} is a .{named} but --format is {package_format}")
-    chosen = package_format or named or manifest.export.format
-    try:
-        manifest.export.model_copy(update={"format": chosen}).check_precision()
-    except ValueError as error:
-        raise BadInput(f"{manifest.source or 'manifest'}: export: {error}") from None
-    return chosen
-
-
-def _build_asset(checked: CheckedInputs, destination: Path, options: BuildOptions, reporter: Reporter, cache, started: float) -> BuildResult:
-    """The ``.aimodel`` build: one converter session for every function, verified with the Core AI
-    runtime in staging. No parts: the asset is written whole (build cache: palettes only)."""
-    from adapterpack.assemble.aimodel import build_asset
-
-    manifest = checked.manifest
-    report = None
-    with Staging(destination) as staging:
-        staged = staging.folder / destination.name
-        records = build_asset(checked, staged, reporter, cache=cache)
-        if options.verify:
-            with reporter.stage(f"verify {len(records)} function(s) (Core AI runtime, CPU)"):
-                report = verify_package(staged, manifest, checked=checked, stage=reporter.stage)
-            refuse_unless_passed(report, destination)
-        staging.commit(staged)
-    return BuildResult(
-        output=destination,
-        manifest=manifest,
-        functions=records,
-        default_function=manifest.default,
-        part_sizes={},
-        package_size=folder_size(destination),
-        seconds=time.perf_counter() - started,
-        verify_report=report,
-        reused=[],
-    )
 
 
 # Suggest keep mode when it would save more than a quarter of the package.
@@ -222,9 +186,6 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
     return base_bytes + sum(lora_float16_bytes(info.tensors) for info in checked.adapters.values())
 
 
-CACHE_FOLDER = ".adapterpack-cache"
-
-
 def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | None = None) -> tuple[str, str]:
     """(key, restore prefix) for a CI cache of the build cache (actions/cache): the key changes
     with anything that changes what the cache holds (the base's and adapters' content, the
@@ -232,13 +193,13 @@ def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | N
     prefix matches every cache of the same base and versions, so a build whose adapters changed
     still restores the converted base and palettes. Costs one read of the inputs (the content
     hashes every build computes), not a hash of the cache."""
-    from adapterpack.mlpackage.metadata import library_versions
+    from adapterpack.formats.metadata import library_versions
 
     checked = check_inputs(manifest)
     m = checked.manifest
     if function is not None and function not in m.function_names:
         raise BadInput(f"--function {function}: not a function of {m.source}: choose one of {', '.join(m.function_names)}")
-    versions = library_versions(core_ai=m.export.format == "aimodel")
+    versions = library_versions(named(m.export.format).libraries)
     shared = content_key({"base": checked.base.content_hash, "versions": versions, "export": m.export.model_dump(mode="json")})[:16]
     everything = content_key({
         "shared": shared,
@@ -279,18 +240,15 @@ def build_function_part(
     base and palettes of earlier runs are reused; parts use no cache otherwise.
     """
     reporter = reporter or Reporter()
-    checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
-    check_state_sizes(checked, strict=options.strict)
-    if chosen_format(checked.manifest, None, options.package_format) == "aimodel":
-        raise BadInput(ASSET_WHOLE)
+    checked, package_format = checked_for(manifest, options)
+    refuse_whole_format(package_format)
     if function not in checked.manifest.function_names:
         raise BadInput(
             f"--function {function}: not a function of {checked.manifest.source}: "
             f"choose one of {', '.join(checked.manifest.function_names)}"
         )
     parts_dir = Path(parts_dir).resolve()
-    with Staging(parts_dir / f"{function}.mlpackage") as staging:
-
+    with Staging(parts_dir / f"{function}{package_format.suffix}") as staging:
         use_cache = options.cache_dir is not None and options.use_cache
         cache = BuildCache(Path(options.cache_dir)) if use_cache else None
         parts, _ = build_parts(checked, staging.folder, reporter, cache=cache, only=[function])
@@ -306,11 +264,10 @@ def merge_from_parts(
     reporter: Reporter | None = None,
 ) -> BuildResult:
     """Fan-in: merge the parts in ``parts_dir`` into one package (verified when a manifest is given)."""
-    backend = options.backend
     reporter = reporter or Reporter()
     started = time.perf_counter()
-    if format_of(output) == "aimodel":
-        raise BadInput(ASSET_WHOLE)
+    package_format = of_package(output)
+    refuse_whole_format(package_format)
     parts = read_parts(Path(parts_dir))
     destination = Path(output).resolve()
     checked = check_inputs(manifest, strict=options.strict) if manifest is not None else None
@@ -324,19 +281,13 @@ def merge_from_parts(
             merge_parts(parts, merged)
         check_device_rules(merged, strict=options.strict)
         if checked is not None and options.verify:
-
-            with reporter.stage(f"verify {len(parts)} function(s) ({backend})"):
-                report = verify_package(merged, checked.manifest, backend=backend, checked=checked, stage=reporter.stage)
+            with reporter.stage(f"verify {len(parts)} function(s) ({options.backend})"):
+                report = verify_package(merged, checked.manifest, backend=options.backend, checked=checked, stage=reporter.stage)
             refuse_unless_passed(report, destination)
         staging.commit(merged)
-    first = parts[0].record
-    return BuildResult(
-        output=destination,
-        manifest=checked.manifest if checked else None,
-        functions=[record.function_record() for record, _ in parts],
-        default_function=first.default_function,
+    written = Written(
+        records=[record.function_record() for record, _ in parts],
+        parts=parts,
         part_sizes={record.function: folder_size(path) for record, path in parts},
-        package_size=folder_size(destination),
-        seconds=time.perf_counter() - started,
-        verify_report=report,
     )
+    return _result(package_format, destination, checked.manifest if checked else None, written, report, started)

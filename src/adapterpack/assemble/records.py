@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapterpack.config.manifest import Manifest
+from adapterpack.formats.format import Format
 
 log = logging.getLogger(__name__)
 
@@ -122,3 +123,4 @@ class BuildResult:
     seconds: float = 0.0
     verify_report: object | None = None  # verify.VerifyReport when verification ran
     reused: list[str] = field(default_factory=list)  # functions taken from the build cache
+    format: Format | None = None  # what was written

@@ -29,21 +29,20 @@ from adapterpack.cli.render import (
     human_size,
     out,
     parse_size,
-    print_asset_inspection,
+    print_any_inspection,
     print_build,
     print_generation,
-    print_inspection,
     verify_table,
 )
 from adapterpack.config.devices import DEVICES, find_device
-from adapterpack.config.manifest import PACKAGE_FORMATS, load_manifest, manifest_json_schema
+from adapterpack.config.manifest import load_manifest, manifest_json_schema
 from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
+from adapterpack.formats.registry import NAMES as PACKAGE_FORMATS
+from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.checked import check_inputs, check_state_sizes
-from adapterpack.mlpackage.aimodel import is_asset
-from adapterpack.mlpackage.functions import read_functions
 from adapterpack.release.artifacts import release as run_release
 from adapterpack.report.asset import inspect_either
-from adapterpack.report.memory import budget_rows, memory_estimate
+from adapterpack.report.memory import budget_rows, inspection_json, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
 from adapterpack.verify.package import verify_package
 
@@ -488,21 +487,9 @@ def inspect(
         estimate = memory_estimate(report)
         budget = budget_rows(report, estimate, devices)
         if as_json:
-            document = report.as_json(top=top)
-            document["memory"] = None if estimate is None else {
-                "function": estimate.function,
-                "weights_bytes": estimate.weights_bytes,
-                "kv_bytes": estimate.kv_bytes,
-                "activation_bytes": estimate.activation_bytes,
-                "activations_known": estimate.activations_known,
-                "need_bytes": estimate.need_bytes,
-                "devices": budget,
-            }
-            print(json.dumps(document, indent=2))
-        elif is_asset(package):
-            print_asset_inspection(report, estimate, budget)
+            print(json.dumps(inspection_json(report, estimate, budget, top), indent=2))
         else:
-            print_inspection(report, estimate, budget, top)
+            print_any_inspection(report, estimate, budget, top)
         if strict and report.device_findings:
             raise BadInput(f"{report.device_findings[0].line()} (an error with --strict)")
 

@@ -228,6 +228,16 @@ def _signed(size: int) -> str:
     return ("-" if size < 0 else "") + human_size(abs(size))
 
 
+def print_any_inspection(report, estimate, budget: list[dict], top: int) -> None:
+    """The inspection of a package of any format, as its report type prints."""
+    from adapterpack.report.asset import AssetReport
+
+    if isinstance(report, AssetReport):
+        print_asset_inspection(report, estimate, budget)
+    else:
+        print_inspection(report, estimate, budget, top)
+
+
 def print_inspection(report, estimate, budget: list[dict], top: int) -> None:
     default = report.default_function
     out.print(

@@ -29,8 +29,8 @@ import numpy as np
 
 from adapterpack.compress.palettes import PaletteStore, grouped_rows
 from adapterpack.config.manifest import Compression
-from adapterpack.mlpackage.blob import BlobWriter, record_metadata
-from adapterpack.mlpackage.spec import MODEL_PATH_PREFIX, load_spec_file, op_values, spec_path, walk_ops
+from adapterpack.formats.mlpackage.blob import BlobWriter, record_metadata
+from adapterpack.formats.mlpackage.spec import MODEL_PATH_PREFIX, load_spec_file, op_values, spec_path, walk_ops
 from adapterpack.quiet import import_coreml_proto
 
 # (weight name, shape) -> its compression, None when it stays float16 (config.compression.weight_setting).

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from adapterpack.convert.coreml import CAUSAL_MASK, INPUT_IDS, LOGITS, STATE_NAMES
 from adapterpack.convert.export_decoder import ExportDecoder
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.aimodel import EXTRA_MISSING, METADATA_FILE, METADATA_KEY
+from adapterpack.formats.aimodel.asset import EXTRA_MISSING, METADATA_FILE, METADATA_KEY
 from adapterpack.quiet import captured_output
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapterpack.errors import BadInput
+from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.safetensors import refuse_special_file
-from adapterpack.mlpackage.functions import read_functions
 
 log = logging.getLogger(__name__)
 

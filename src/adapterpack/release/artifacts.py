@@ -17,14 +17,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.assemble.pipeline import build, chosen_format
+from adapterpack.assemble.pipeline import build
+from adapterpack.assemble.plan import chosen_format
 from adapterpack.assemble.records import BuildOptions, BuildResult, Reporter
 from adapterpack.assemble.staging import Staging
 from adapterpack.errors import BadInput, OutOfResources, OutputExists
+from adapterpack.formats.metadata import library_versions
 from adapterpack.inputs.checked import check_inputs
 from adapterpack.inputs.safetensors import sha256_files
-from adapterpack.mlpackage.aimodel import is_asset
-from adapterpack.mlpackage.metadata import library_versions
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,9 @@ def release(
         raise BadInput(f"{out_dir}: --out-dir names a file; give a folder (it is created when missing)")
     checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
     package_format = chosen_format(checked.manifest, None, options.package_format)
-    checked = checked.with_format(package_format)
+    checked = checked.with_format(package_format.name)  # build's own state-size check warns once
     name = checked.manifest.name
-    package_name = f"{name}.{package_format}"
+    package_name = f"{name}{package_format.suffix}"
     if bundle:
         check_tokenizer_files(checked)
     if eval_text is not None:
@@ -194,7 +194,7 @@ def build_info(checked, result: BuildResult, zip_path: Path) -> dict:
         "functions": [r.name for r in result.functions],
         "default_function": result.default_function,
         "compression": {r.name: r.compression for r in result.functions},
-        "versions": library_versions(core_ai=is_asset(result.output)),
+        "versions": library_versions(result.format.libraries),
         "verify": report.as_json() | {"package": result.output.name} if report is not None else None,
         "sizes": {
             "package_bytes": result.package_size,

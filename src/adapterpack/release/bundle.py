@@ -22,9 +22,8 @@ from pathlib import Path
 
 from adapterpack.assemble.parts import place
 from adapterpack.errors import BadInput
+from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.safetensors import sha256_files
-from adapterpack.mlpackage.aimodel import is_asset
-from adapterpack.mlpackage.functions import read_functions
 from adapterpack.report.memory import human_size
 from adapterpack.report.swift import swift_case_name, swift_enum
 
@@ -80,35 +79,50 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
 def model_card(checked, result, package_name: str, tokenizer_files: list[str], hashes: dict[str, str],
                bundle_name: str, eval_report=None) -> str:
     """The bundle's README.md: a Hugging Face model card (YAML front matter, then Markdown)."""
-    from adapterpack.config.devices import DEVICES
-    from adapterpack.mlpackage.metadata import library_versions
-    from adapterpack.report.asset import inspect_either
-    from adapterpack.report.memory import budget_rows, memory_estimate
+    from adapterpack.formats.metadata import library_versions
 
     manifest = checked.manifest
-    asset = is_asset(package_name)
+    card = result.format.card
     hub_name = manifest.base.tokenizer or checked.base.config.get("_name_or_path") or manifest.base.path
     lines = [
         "---",
-        f"library_name: {'coreai' if asset else 'coreml'}",
+        f"library_name: {card.library}",
         f"base_model: {hub_name}",
         "pipeline_tag: text-generation",
-        f"tags: [{'coreai' if asset else 'coreml'}, lora, adapterpack, ios, macos]",
+        f"tags: [{card.library}, lora, adapterpack, ios, macos]",
         "---",
         "",
         f"# {manifest.name}",
         "",
-        (
-            f"One Core AI asset, `{package_name}` (iOS/macOS 27+), with one entry point per LoRA adapter over the base "
-            f"`{hub_name}` and a stateful KV-cache of {manifest.export.max_context} positions. An app loads the entry "
-            "point it needs (`AIModel.loadFunction(named:)`); weights the entry points share are stored once. Built and "
-            "verified by adapterpack (with Core AI's own runtime)."
-            if asset
-            else f"One Core ML ML Program, `{package_name}` ({manifest.export.deployment_target}+), with one function per LoRA "
-            f"adapter over the base `{hub_name}` and a stateful KV-cache of {manifest.export.max_context} positions. "
-            "An app picks the function when it loads the model (`MLModelConfiguration.functionName`); weights the "
-            "functions share are stored once. Built and verified by adapterpack."
-        ),
+        card.introduction(package_name, hub_name, manifest.export.max_context, manifest.export.deployment_target),
+    ]
+    lines += _functions_section(checked, result)
+    if result.verify_report is not None:
+        lines += _verification_section(result.verify_report)
+    if eval_report is not None:
+        lines += _evaluation_section(eval_report)
+    lines += _memory_section(result)
+    first = result.functions[0].name
+    lines += swift_usage(card, package_name, bundle_name, first, tokenizer_files, manifest.export.max_context)
+    lines += ["## Files", "", "| file | sha256 |", "|---|---|"]
+    for path, digest in hashes.items():
+        lines.append(f"| `{path.split('/', 1)[1]}` | `{digest}` |")
+    versions = library_versions(result.format.libraries)
+    lines += [
+        "",
+        "## Provenance",
+        "",
+        f"- base: `{manifest.base.path}`{' @ ' + manifest.base.revision if manifest.base.revision else ''}, "
+        f"content sha256 `{checked.base.content_hash}`",
+        "- built with " + ", ".join(f"{name} {version}" for name, version in sorted(versions.items())),
+        "- `build-info.json` beside this folder records every input and setting; `SHA256SUMS` checks every file.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _functions_section(checked, result) -> list[str]:
+    lines = [
         "",
         "## Functions",
         "",
@@ -123,42 +137,56 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
             f"{'`' + adapter.content_hash[:16] + '…`' if adapter else '-'} | {record.lora or '-'} | "
             f"{record.scale if record.scale is not None else '-'} | {record.compression} |"
         )
-    report = result.verify_report
-    if report is not None:
-        lines += [
-            "",
-            "## Verification",
-            "",
-            f"Every function against its PyTorch reference (the float32 base with the adapter applied by peft, not merged), "
-            f"driven as swift-transformers drives it ({report.backend} backend):",
-            "",
-            "| function | worse drive | cosine | top-1 | KL | retention | result |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for f in report.functions:
-            kept = "-" if f.retention is None else f"{f.retention:.3f}"
+    return lines
+
+
+def _verification_section(report) -> list[str]:
+    lines = [
+        "",
+        "## Verification",
+        "",
+        f"Every function against its PyTorch reference (the float32 base with the adapter applied by peft, not merged), "
+        f"driven as swift-transformers drives it ({report.backend} backend):",
+        "",
+        "| function | worse drive | cosine | top-1 | KL | retention | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in report.functions:
+        kept = "-" if f.retention is None else f"{f.retention:.3f}"
+        lines.append(
+            f"| `{f.name}` | {f.drive or '-'} | {f.cosine:.5f} | {f.top1:.1%} | {f.kl:.2e} | {kept} | "
+            f"{'pass' if f.passed else 'FAIL'} |"
+        )
+    return lines
+
+
+def _evaluation_section(eval_report) -> list[str]:
+    lines = [
+        "",
+        "## Evaluation",
+        "",
+        f"Perplexity on `{eval_report.text.name}` ({eval_report.tokens} tokens, windows of {eval_report.window} "
+        f"every {eval_report.stride}), package against its reference:",
+        "",
+        "| function | perplexity | reference | ratio | top-1 agreement |",
+        "|---|---|---|---|---|",
+    ]
+    for f in eval_report.functions:
+        if f.reference_perplexity is None:
+            lines.append(f"| `{f.function}` | {f.perplexity:.3f} | - | - | - |")
+        else:
             lines.append(
-                f"| `{f.name}` | {f.drive or '-'} | {f.cosine:.5f} | {f.top1:.1%} | {f.kl:.2e} | {kept} | "
-                f"{'pass' if f.passed else 'FAIL'} |"
+                f"| `{f.function}` | {f.perplexity:.3f} | {f.reference_perplexity:.3f} | {f.ratio:.3f} | {f.top1_agreement:.1%} |"
             )
-    if eval_report is not None:
-        lines += [
-            "",
-            "## Evaluation",
-            "",
-            f"Perplexity on `{eval_report.text.name}` ({eval_report.tokens} tokens, windows of {eval_report.window} "
-            f"every {eval_report.stride}), package against its reference:",
-            "",
-            "| function | perplexity | reference | ratio | top-1 agreement |",
-            "|---|---|---|---|---|",
-        ]
-        for f in eval_report.functions:
-            if f.reference_perplexity is None:
-                lines.append(f"| `{f.function}` | {f.perplexity:.3f} | - | - | - |")
-            else:
-                lines.append(
-                    f"| `{f.function}` | {f.perplexity:.3f} | {f.reference_perplexity:.3f} | {f.ratio:.3f} | {f.top1_agreement:.1%} |"
-                )
+    return lines
+
+
+def _memory_section(result) -> list[str]:
+    from adapterpack.config.devices import DEVICES
+    from adapterpack.report.asset import inspect_either
+    from adapterpack.report.memory import budget_rows, memory_estimate
+
+    lines: list[str] = []
     inspection = inspect_either(Path(result.output))
     estimate = memory_estimate(inspection)
     rows = budget_rows(inspection, estimate, list(DEVICES)) if estimate is not None else []
@@ -181,32 +209,11 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
                 f"| {row['name']} | {human_size(row['ram_bytes'])} | {human_size(row['limit_bytes'])} | "
                 f"{'yes' if row['fits'] else 'no'} | {'-' if headroom < 0 else human_size(headroom)} |"
             )
-    first = result.functions[0].name
-    lines += swift_usage(asset, package_name, bundle_name, first, tokenizer_files, manifest.export.max_context)
-    lines += [
-        "## Files",
-        "",
-        "| file | sha256 |",
-        "|---|---|",
-    ]
-    for path, digest in hashes.items():
-        lines.append(f"| `{path.split('/', 1)[1]}` | `{digest}` |")
-    versions = library_versions(core_ai=asset)
-    lines += [
-        "",
-        "## Provenance",
-        "",
-        f"- base: `{manifest.base.path}`{' @ ' + manifest.base.revision if manifest.base.revision else ''}, "
-        f"content sha256 `{checked.base.content_hash}`",
-        "- built with " + ", ".join(f"{name} {version}" for name, version in sorted(versions.items())),
-        "- `build-info.json` beside this folder records every input and setting; `SHA256SUMS` checks every file.",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
-def swift_usage(asset: bool, package_name: str, bundle_name: str, first: str, tokenizer_files: list[str], max_context: int) -> list[str]:
-    """The model card's "Use from Swift" section for either format."""
+def swift_usage(card, package_name: str, bundle_name: str, first: str, tokenizer_files: list[str], max_context: int) -> list[str]:
+    """The model card's "Use from Swift" section, in the words of the package's format."""
     tokenizer = (
         "[swift-transformers](https://github.com/huggingface/swift-transformers) for the tokenizer, which loads from "
         f"the bundled files{' (' + ', '.join(tokenizer_files) + ')' if tokenizer_files else ''}"
@@ -216,34 +223,5 @@ def swift_usage(asset: bool, package_name: str, bundle_name: str, first: str, to
         f"function's states (its KV-cache). Prefill with the prompt, then one token per call, at most {max_context - 1} "
         "tokens in all."
     )
-    stem = Path(package_name).stem
-    if asset:
-        code = [
-            "import CoreAI",
-            "import Tokenizers",
-            "",
-            f"let folder = Bundle.main.url(forResource: \"{bundle_name}\", withExtension: nil)!",
-            f"let model = try await AIModel(contentsOf: folder.appending(path: \"{package_name}\"))",
-            f"let function = try model.loadFunction(named: {SWIFT_TYPE}.{swift_case_name(first)}.rawValue)!   // {SWIFT_TYPE}.swift",
-            "let tokenizer = try await AutoTokenizer.from(modelFolder: folder)",
-            "// States keyCache, valueCache, writtenSlots: zero-filled, shaped as function.descriptor says; each",
-            "// run(inputs:states:) reads and updates them.",
-            "let outputs = try await function.run(inputs: [\"inputIds\": ids, \"causalMask\": mask], states: states)",
-        ]
-        lead = f"Add the folder to the app and {tokenizer}:"
-    else:
-        code = [
-            "import CoreML",
-            "import Tokenizers",
-            "",
-            f"let folder = Bundle.main.url(forResource: \"{bundle_name}\", withExtension: nil)!",
-            "let config = MLModelConfiguration()",
-            f"config.functionName = {SWIFT_TYPE}.{swift_case_name(first)}.rawValue   // {SWIFT_TYPE}.swift",
-            f"let modelURL = Bundle.main.url(forResource: \"{stem}\", withExtension: \"mlmodelc\")!",
-            "let model = try await MLModel.load(contentsOf: modelURL, configuration: config)",
-            "let tokenizer = try await AutoTokenizer.from(modelFolder: folder)",
-            "let state = model.makeState()",
-        ]
-        lead = f"Add the folder to the app (Xcode compiles `{package_name}` to `.mlmodelc`) and {tokenizer}:"
-        contract += " swift-transformers' `LanguageModelWithStatefulKVCache` makes these calls."
-    return ["", "## Use from Swift", "", lead, "", "```swift", *code, "```", "", contract, ""]
+    lead, code, note = card.swift(package_name, bundle_name, SWIFT_TYPE, swift_case_name(first), tokenizer)
+    return ["", "## Use from Swift", "", lead, "", "```swift", *code, "```", "", contract + note, ""]

@@ -15,9 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapterpack.mlpackage import aimodel
-from adapterpack.mlpackage.functions import read_functions
-from adapterpack.mlpackage.metadata import METADATA_PREFIX
+from adapterpack.formats.aimodel import asset as aimodel
+from adapterpack.formats.aimodel.format import AIMODEL
+from adapterpack.formats.metadata import METADATA_PREFIX
+from adapterpack.formats.mlpackage.format import MLPACKAGE
+from adapterpack.formats.registry import of_package, read_functions
 from adapterpack.report.inspect import ModelShape, PackageReport, inspect_package
 
 # Core AI ops that decompress a stored constant, by the manifest's method they carry out.
@@ -105,8 +107,8 @@ def _shape(report_states: list, metadata: dict[str, str]) -> ModelShape | None:
 
 
 def inspect_either(path: Path | str) -> AssetReport | PackageReport:
-    """``inspect_asset`` for a ``.aimodel``, ``inspect_package`` for a ``.mlpackage``."""
-    return inspect_asset(path) if aimodel.is_asset(path) else inspect_package(path)
+    """The inspection of a package of any format (``INSPECTORS``)."""
+    return INSPECTORS[of_package(path)](path)
 
 
 def inspect_asset(path: Path | str) -> AssetReport:
@@ -145,3 +147,7 @@ def inspect_asset(path: Path | str) -> AssetReport:
         compressed_ops={method: operations.get(op, 0) for op, method in COMPRESSED_OPS.items()},
         shape=_shape(listing.functions[0].states, listing.metadata),
     )
+
+
+# Format -> what accounts for a package of it.
+INSPECTORS = {MLPACKAGE: inspect_package, AIMODEL: inspect_asset}

@@ -38,8 +38,8 @@ from typing import Any
 from adapterpack.config.device_rules import package_findings
 from adapterpack.config.devices import kv_cache_bytes
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.blob import HEADER_BYTES, BlobRecord, read_blob_records
-from adapterpack.mlpackage.spec import (
+from adapterpack.formats.mlpackage.blob import HEADER_BYTES, BlobRecord, read_blob_records
+from adapterpack.formats.mlpackage.spec import (
     MODEL_PATH_PREFIX,
     function_names_of_spec,
     load_spec_file,

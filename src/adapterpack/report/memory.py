@@ -103,3 +103,18 @@ def budget_rows(report, estimate, devices) -> list[dict]:
             "source": dev.source,
         })
     return rows
+
+
+def inspection_json(report, estimate, budget: list[dict], top: int) -> dict:
+    """``inspect --json``: the package's report with the memory estimate and each device's budget."""
+    document = report.as_json(top=top)
+    document["memory"] = None if estimate is None else {
+        "function": estimate.function,
+        "weights_bytes": estimate.weights_bytes,
+        "kv_bytes": estimate.kv_bytes,
+        "activation_bytes": estimate.activation_bytes,
+        "activations_known": estimate.activations_known,
+        "need_bytes": estimate.need_bytes,
+        "devices": budget,
+    }
+    return document

@@ -4,7 +4,7 @@ enum to paste.
 
 from __future__ import annotations
 
-from adapterpack.mlpackage.functions import PackageFunctions
+from adapterpack.formats.listing import PackageFunctions
 
 # Swift reserved words that need backticks as enum case names.
 SWIFT_KEYWORDS = {

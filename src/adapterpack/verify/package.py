@@ -10,13 +10,12 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from adapterpack.config.manifest import Manifest
 from adapterpack.errors import BadInput
+from adapterpack.formats.registry import of_package, read_functions
 from adapterpack.inputs.checked import check_inputs
-from adapterpack.mlpackage import aimodel
-from adapterpack.mlpackage.digest import function_digests
-from adapterpack.mlpackage.functions import read_functions
-from adapterpack.mlpackage.metadata import weights_digest
 from adapterpack.verify.executor import DeclaredTypeMismatch
 from adapterpack.verify.metrics import compare_logits, retention
 from adapterpack.verify.reference import reference_logits
@@ -44,39 +43,28 @@ def verify_package(
     """Run every function of ``package`` against its PyTorch reference; never raises on a mismatch.
 
     ``checked`` (inputs.checked.CheckedInputs) avoids re-validating inputs when called from a build.
-    ``reuse`` holds passing reports of functions whose bytes (``digests``: each function's
-    ``mlpackage.digest``, computed here when not given) equal bytes a build verified against
+    ``reuse`` holds passing reports of functions whose bytes (``digests``: each function's digest
+    as its format computes it, computed here when not given) equal bytes a build verified against
     the same reference; those are not run again. The integrity checks always run.
     ``stage(label)``: a context manager around each long step (progress display).
     """
     stage = stage or (lambda label: contextlib.nullcontext())
 
     package = Path(package)
+    package_format = of_package(package)
     listing = read_functions(package)
     checked = checked or check_inputs(manifest)
     manifest = checked.manifest
-    settings = manifest.verify
-    asset = aimodel.is_asset(package)
-    # An .aimodel runs on Core AI's own runtime, here on the CPU: no other backend applies.
+    # A format bound to one runtime (an .aimodel: Core AI's) runs there whatever was asked for.
     backend = backend_for(package, backend)
     report = VerifyReport(package=package, backend=backend, functions=[])
 
     expected = manifest.function_names
     if sorted(listing.names) != sorted(expected):
-        report.integrity.append(
-            f"package functions {listing.names} differ from the manifest's {expected}"
-        )
+        report.integrity.append(f"package functions {listing.names} differ from the manifest's {expected}")
         return report
-    if asset:
-        if not aimodel.program_intact(package):
-            report.integrity.append(f"{aimodel.PROGRAM_FILE} differs from the digest written beside it (file altered?)")
-        # One program holds every entry point: its digest stands for each function's bytes.
-        digests = dict.fromkeys(expected, aimodel.program_digest(package))
-    else:
-        recorded = listing.metadata.get("co.adapterpack.weightsSha256")
-        if recorded and recorded != weights_digest(package):
-            report.integrity.append("weight blob differs from the one written at build time (file altered?)")
-    digests = digests or function_digests(package)
+    report.integrity += package_format.integrity(package, listing)
+    digests = digests or package_format.function_digests(package, expected)
     reuse = {name: found for name, found in (reuse or {}).items() if found.digest == digests.get(name)}
     if all(name in reuse for name in expected):
         report.functions = [reuse[name] for name in expected]
@@ -95,17 +83,13 @@ def verify_package(
     to_run = [n for n in expected if n not in reuse]
     with stage(f"references: the PyTorch base and {sum(manifest.adapter(n) is not None for n in to_run)} adapter(s), float32"):
         tokens, base_reference, references = reference_logits(checked, to_run)
-    prefill = min(settings.prefill, len(tokens))
+    prefill = min(manifest.verify.prefill, len(tokens))
     gc.collect()
 
     for name in expected:
         if name in reuse:
             report.functions.append(reuse[name])
             continue
-        adapter = manifest.adapter(name)
-        compression = manifest.compression_for(name)
-        thresholds = settings.thresholds_for(compression)
-        reference = references.get(name, base_reference)
         try:
             with stage(f"{name}: run both drives ({backend})"):
                 got, trouble = run(name, tokens, prefill)
@@ -117,47 +101,58 @@ def verify_package(
         except Exception as error:  # a damaged function fails verification rather than crashing it
             report.integrity.append(f"function {name} cannot be run: {type(error).__name__}: {error}")
             continue
-        by_drive = {drive: compare_logits(logits, reference) for drive, logits in got.items()}
-        worst = min(by_drive, key=lambda drive: (by_drive[drive]["cosine"], by_drive[drive]["top1"]))
-        metrics = by_drive[worst]
-        function_report = FunctionReport(
-            name=name,
-            compression=compression.describe(),
-            retention=None,
-            adapter_effect=None,
-            thresholds=thresholds,
-            drive=worst,
-            digest=digests.get(name, ""),
-            **metrics,
+        report.functions.append(
+            function_report(manifest, name, got, references.get(name, base_reference), base_reference, trouble, digests.get(name, ""))
         )
-        if trouble is not None:
-            # Named even when the figures pass: the device computes the same declared float16 program.
-            function_report.failures.append(f"{trouble}; {FLOAT16_HINT}")
-        # Thresholds hold for every drive, not only the reported one.
-        for drive, figures in by_drive.items():
-            label = f" ({drive} drive)" if len(by_drive) > 1 else ""
-            if figures["top1"] < thresholds["top1"]:
-                function_report.failures.append(f"top-1 {figures['top1']:.1%} < {thresholds['top1']:.1%}{label}")
-            if figures["cosine"] < thresholds["cosine"]:
-                function_report.failures.append(f"cosine {figures['cosine']:.4f} < {thresholds['cosine']}{label}")
-        if adapter is not None:
-            for drive, logits in got.items():
-                kept, effect = retention(logits, reference, base_reference)
-                by_drive[drive]["retention"] = kept
-                if function_report.retention is None or kept < function_report.retention:
-                    function_report.retention, function_report.adapter_effect = kept, effect
-            kept = function_report.retention
-            if kept < thresholds["retention"]:
-                remedy = (
-                    "keep the adapter unfused (lora: keep) or use more bits for its target modules"
-                    if manifest.lora_mode(name) == "fuse"
-                    else "use more bits for this function's compression"
-                )
-                function_report.failures.append(
-                    f"adapter not retained: retention {kept:.2f} < {thresholds['retention']} (compression "
-                    f"washed out the adapter's effect); {remedy}"
-                )
-        function_report.by_drive = by_drive
-        report.functions.append(function_report)
         gc.collect()
     return report
+
+
+def function_report(
+    manifest: Manifest, name: str, got: dict[str, np.ndarray], reference, base_reference, trouble: str | None, digest: str
+) -> FunctionReport:
+    """Function ``name``'s report from its logits under each drive (``got``), against its reference
+    and the base's: the worse drive's figures, and every threshold any drive misses."""
+    adapter = manifest.adapter(name)
+    compression = manifest.compression_for(name)
+    thresholds = manifest.verify.thresholds_for(compression)
+    by_drive = {drive: compare_logits(logits, reference) for drive, logits in got.items()}
+    worst = min(by_drive, key=lambda drive: (by_drive[drive]["cosine"], by_drive[drive]["top1"]))
+    found = FunctionReport(
+        name=name,
+        compression=compression.describe(),
+        retention=None,
+        adapter_effect=None,
+        thresholds=thresholds,
+        drive=worst,
+        digest=digest,
+        **by_drive[worst],
+    )
+    if trouble is not None:
+        # Named even when the figures pass: the device computes the same declared float16 program.
+        found.failures.append(f"{trouble}; {FLOAT16_HINT}")
+    # Thresholds hold for every drive, not only the reported one.
+    for drive, figures in by_drive.items():
+        label = f" ({drive} drive)" if len(by_drive) > 1 else ""
+        if figures["top1"] < thresholds["top1"]:
+            found.failures.append(f"top-1 {figures['top1']:.1%} < {thresholds['top1']:.1%}{label}")
+        if figures["cosine"] < thresholds["cosine"]:
+            found.failures.append(f"cosine {figures['cosine']:.4f} < {thresholds['cosine']}{label}")
+    if adapter is not None:
+        for drive, logits in got.items():
+            kept, effect = retention(logits, reference, base_reference)
+            by_drive[drive]["retention"] = kept
+            if found.retention is None or kept < found.retention:
+                found.retention, found.adapter_effect = kept, effect
+        if found.retention < thresholds["retention"]:
+            remedy = (
+                "keep the adapter unfused (lora: keep) or use more bits for its target modules"
+                if manifest.lora_mode(name) == "fuse"
+                else "use more bits for this function's compression"
+            )
+            found.failures.append(
+                f"adapter not retained: retention {found.retention:.2f} < {thresholds['retention']} (compression "
+                f"washed out the adapter's effect); {remedy}"
+            )
+    found.by_drive = by_drive
+    return found

@@ -14,7 +14,9 @@ from typing import Literal
 import numpy as np
 
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage import aimodel
+from adapterpack.formats.aimodel import asset as aimodel
+from adapterpack.formats.aimodel.format import CORE_AI_RUNTIME
+from adapterpack.formats.registry import of_package
 from adapterpack.quiet import captured_output, import_coremltools, native_output_captured
 from adapterpack.verify.drives import Predict, run_drives
 from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
@@ -23,13 +25,12 @@ log = logging.getLogger(__name__)
 
 
 Backend = Literal["numpy", "coreml"]
-# What runs an .aimodel, whatever --backend says: Apple's Core AI runtime (on the CPU off device).
-CORE_AI_BACKEND = "coreai-cpu"
 
 
 def backend_for(package: Path, backend: str) -> str:
-    """The name of what runs ``package`` when ``backend`` is asked for (reports say which ran)."""
-    return CORE_AI_BACKEND if aimodel.is_asset(package) else backend
+    """The name of what runs ``package`` when ``backend`` is asked for (reports say which ran):
+    the runtime its format is bound to, else ``backend``."""
+    return of_package(package).runtime or backend
 
 
 class Sessions:
@@ -75,11 +76,12 @@ def _watching_logits(open_function: Callable[[str], Callable[[], Predict]], back
 
 
 def function_sessions(package: Path, backend: Backend = "numpy") -> Sessions:
-    """The ``Sessions`` of ``package`` on ``backend`` (an .aimodel always on Core AI's runtime)."""
-    if aimodel.is_asset(package):
-        return _watching_logits(_coreai_sessions(package), CORE_AI_BACKEND)
-    if backend == "coreml":
-        return _watching_logits(_coreml_sessions(package), "Core ML")
+    """The ``Sessions`` of ``package`` on ``backend``, or on the runtime its format is bound to."""
+    return SESSIONS[backend_for(package, backend)](package)
+
+
+def _executor_sessions(package: Path) -> Sessions:
+    """Sessions on the numpy executor, which sees every op: float16 trouble is named by op."""
     loaded: dict[str, ProgramExecutor] = {}
     troubles: dict[str, str] = {}
 
@@ -187,10 +189,18 @@ def _coreai_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
     return open_function
 
 
+# Backend name -> the sessions that run a package there.
+SESSIONS: dict[str, Callable[[Path], Sessions]] = {
+    "numpy": _executor_sessions,
+    "coreml": lambda package: _watching_logits(_coreml_sessions(package), "Core ML"),
+    CORE_AI_RUNTIME: lambda package: _watching_logits(_coreai_sessions(package), CORE_AI_RUNTIME),
+}
+
+
 def drive_runner(package: Path, backend: Backend = "numpy") -> Callable[[str, np.ndarray, int], tuple[dict[str, np.ndarray], str | None]]:
     """``run(function, tokens, prefill)``: (every drive's logits, each drive through a fresh
     state; where float16 first overflowed in them, or None)."""
-    if backend == "numpy" and not aimodel.is_asset(package):
+    if backend_for(package, backend) == "numpy":
         # A program the executor cannot read fails here, as the package, before any function runs.
         ProgramExecutor.function_names_of(package)
     sessions = function_sessions(package, backend)

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.blob import read_blob_records
-from adapterpack.mlpackage.spec import check_package_manifest
+from adapterpack.formats.mlpackage.blob import read_blob_records
+from adapterpack.formats.mlpackage.spec import check_package_manifest
 from adapterpack.verify.executor import constexpr, elementwise, linalg, shape_ops  # noqa: F401  (importing them registers their ops)
 from adapterpack.verify.executor.registry import (
     _OPS,

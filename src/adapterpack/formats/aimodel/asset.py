@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 from adapterpack.errors import BadInput
+from adapterpack.formats.listing import Feature, FunctionInfo, PackageFunctions
+from adapterpack.formats.metadata import METADATA_PREFIX
 from adapterpack.inputs.safetensors import sha256_files
 
 SUFFIX = ".aimodel"
@@ -23,10 +25,6 @@ METADATA_KEY = "adapterpack"
 EXTRA_MISSING = 'the .aimodel format needs the [coreai] extra: pip install "adapterpack[coreai]"'
 
 _SIGNATURE = re.compile(r"NDArray \((\w+), (.*)\)")
-
-
-def is_asset(path: str | Path) -> bool:
-    return Path(path).suffix == SUFFIX
 
 
 def asset_metadata(path: Path) -> dict[str, str]:
@@ -88,3 +86,22 @@ def asset_summary(path: Path, *, statistics: bool = False):
     except RuntimeError as error:
         raise BadInput(f"{path}: Core AI cannot read this asset: {error}") from None
 
+
+
+def asset_functions(path: Path) -> PackageFunctions:
+    """A Core AI asset's entry points, read with coreai-core; its default from our metadata."""
+    summary = asset_summary(path)
+    functions = [
+        FunctionInfo(
+            name=name,
+            inputs=[Feature(*feature_of(*item)) for item in summary.function_inputs(name)],
+            outputs=[Feature(*feature_of(*item)) for item in summary.function_outputs(name)],
+            states=[Feature(*feature_of(*item)) for item in summary.function_states(name)],
+        )
+        for name in summary.function_names
+    ]
+    if not functions:
+        raise BadInput(f"{path}: the asset has no entry points")
+    metadata = asset_metadata(path)
+    default = metadata.get(METADATA_PREFIX + "defaultFunction") or functions[0].name
+    return PackageFunctions(path=path, functions=functions, default=default, metadata=metadata)

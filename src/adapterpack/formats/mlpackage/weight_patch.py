@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapterpack.mlpackage.blob import read_blob_records
+from adapterpack.formats.mlpackage.blob import read_blob_records
 
 log = logging.getLogger(__name__)
 

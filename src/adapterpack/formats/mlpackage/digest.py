@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.blob import record_identity
-from adapterpack.mlpackage.spec import MODEL_FOLDER, load_spec_file, op_values, spec_path, walk_ops
+from adapterpack.formats.mlpackage.blob import record_identity
+from adapterpack.formats.mlpackage.spec import MODEL_FOLDER, load_spec_file, op_values, spec_path, walk_ops
 
 
 def blob_values(function) -> Iterator[Any]:
@@ -87,3 +87,16 @@ def function_digests(package: Path) -> dict[str, str]:
                     identities[value.offset] = record_identity(handles[value.fileName], value.offset)[0]
             digests[name] = function_digest(function, descriptions.get(name, Model_pb2.FunctionDescription()), identities)
     return digests
+
+
+def weights_digest(package: Path) -> str:
+    """sha256 of the package's weight blobs, in path order (recorded at build, checked here)."""
+    digest = hashlib.sha256()
+    weights = sorted((package / "Data").rglob("weights/*")) if (package / "Data").exists() else []
+    for file in weights:
+        if file.is_file():
+            digest.update(file.relative_to(package).as_posix().encode())
+            with file.open("rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()

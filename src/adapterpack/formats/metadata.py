@@ -1,13 +1,12 @@
-"""What a package records about itself: the Swift client's tokenizer name, our provenance
-(adapters, their hashes, compression, library versions) and the digest of its weight blobs."""
+"""What a package of either format records about itself: the Swift client's tokenizer name and
+adapterpack's provenance (adapters, their hashes, compression, library versions), under the
+same keys in a ``.mlpackage``'s spec and an ``.aimodel``'s ``metadata.json``."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -41,29 +40,15 @@ def package_metadata(
     }
 
 
-def library_versions(*, core_ai: bool = False) -> dict[str, str]:
-    """Versions of adapterpack and the libraries that shape the package's bytes (``core_ai``: of
-    a Core AI ``.aimodel``, whose converter and writer replace coremltools)."""
+def library_versions(libraries: tuple[str, ...]) -> dict[str, str]:
+    """Versions of adapterpack, the libraries that shape the package's bytes (``libraries``: a
+    format's converter and writer, ``Format.libraries``) and torch, transformers, peft, numpy."""
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    converters = ("coreai-core", "coreai-torch") if core_ai else ("coremltools",)
-    for package in ("adapterpack", *converters, "torch", "transformers", "peft", "numpy"):
+    for package in ("adapterpack", *libraries, "torch", "transformers", "peft", "numpy"):
         try:
             found[package] = version(package)
         except PackageNotFoundError:
             found[package] = "unknown"
     return found
-
-
-def weights_digest(package: Path) -> str:
-    """sha256 of the package's weight blobs, in path order (recorded at build, checked here)."""
-    digest = hashlib.sha256()
-    weights = sorted((package / "Data").rglob("weights/*")) if (package / "Data").exists() else []
-    for file in weights:
-        if file.is_file():
-            digest.update(file.relative_to(package).as_posix().encode())
-            with file.open("rb") as handle:
-                for chunk in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(chunk)
-    return digest.hexdigest()

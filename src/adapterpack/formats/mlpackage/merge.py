@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from adapterpack.errors import BadInput
-from adapterpack.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, record_chunks, record_identity
-from adapterpack.mlpackage.digest import blob_values, function_digest, top_level_description
-from adapterpack.mlpackage.metadata import METADATA_PREFIX, weights_digest
-from adapterpack.mlpackage.spec import MODEL_FOLDER, SPEC_NAME, load_spec_file
+from adapterpack.formats.metadata import METADATA_PREFIX
+from adapterpack.formats.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, record_chunks, record_identity
+from adapterpack.formats.mlpackage.digest import blob_values, function_digest, top_level_description, weights_digest
+from adapterpack.formats.mlpackage.spec import MODEL_FOLDER, SPEC_NAME, load_spec_file
 from adapterpack.quiet import import_coremltools
 
 log = logging.getLogger(__name__)
