@@ -5,7 +5,8 @@ mode and compression; ``tests/package_digests.json`` holds the tree digest each 
 was recorded, beside the library versions that wrote it (the bytes depend on them). Recording
 again is a deliberate act, for a change that is meant to change the bytes:
 
-    .venv/bin/python tests/package_digests.py --write      # rebuild every variant, record digests
+    .venv/bin/python tests/package_digests.py --write              # rebuild every variant, record digests
+    .venv/bin/python tests/package_digests.py --write VARIANT ...  # only these
 """
 
 from __future__ import annotations
@@ -45,13 +46,23 @@ def manifest_of(variant: str, root: Path) -> Path:
     project, mode, _ = variant.rsplit("-", 2)
     root.mkdir(parents=True, exist_ok=True)
     if project == "demo":
-        text = (REPO / "manifests" / "demo.yaml").read_text().replace("path: ../adapters", f"path: {REPO}/adapters")
-        text = re.sub(r"(?m)^(output|lora):.*\n", "", text)
-        manifest = root / "m.yaml"
+        # The manifest names its inputs relative to itself, as the shipped one does: the package
+        # records the base's path as written, so an absolute one would differ between checkouts.
+        (root / "adapters").symlink_to(REPO / "adapters")
+        (root / "manifests").mkdir()
+        text = re.sub(r"(?m)^(output|lora):.*\n", "", (REPO / "manifests" / "demo.yaml").read_text())
+        manifest = root / "manifests" / "m.yaml"
         manifest.write_text(text + f"lora: {mode}\n")
         return manifest
     family, _, method = project.partition("+")
     manifest = make_family_project(root, family)
+    # peft writes target_modules from a set, in the order of this process's string hashing: sorted,
+    # the adapters (whose hashes the package records) have the same bytes in every process.
+    for config in root.glob("*/adapter_config.json"):
+        data = json.loads(config.read_text())
+        if isinstance(data.get("target_modules"), list):
+            data["target_modules"] = sorted(data["target_modules"])
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     text = re.sub(r"(?m)^compression:.*\n", "", manifest.read_text())
     text += f"lora: {mode}\ncompression: {METHODS[method] if method else '{method: none}'}\n"
     manifest.write_text(text)
@@ -81,7 +92,6 @@ def built_digest(variant: str) -> str:
 
 def versions() -> dict[str, str]:
     from adapterpack.formats.metadata import library_versions
-
     from adapterpack.formats.registry import FORMATS
 
     return {name: library_versions(f.libraries) for name, f in FORMATS.items()}
@@ -92,10 +102,11 @@ def recorded() -> dict:
 
 
 def main() -> None:
-    if sys.argv[1:] != ["--write"]:
+    if not sys.argv[1:] or sys.argv[1] != "--write":
         sys.exit(__doc__)
-    digests = {}
-    for variant in variants():
+    chosen = sys.argv[2:] or variants()
+    digests = recorded()["digests"] if sys.argv[2:] else {}
+    for variant in chosen:
         digests[variant] = built_digest(variant)
         print(variant, digests[variant], flush=True)
     RECORD.write_text(json.dumps({"versions": versions(), "digests": digests}, indent=2, sort_keys=True) + "\n")

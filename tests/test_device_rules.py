@@ -11,8 +11,8 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.device_rules import cache_length_findings, package_findings
-from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path
+from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from factories import make_adapter, make_base, run_cli
 
 

@@ -17,10 +17,10 @@ import shutil
 from pathlib import Path
 
 from adapterpack.assemble.builder import check_value_ranges
-from adapterpack.assemble.parts import PartRecord
+from adapterpack.assemble.parts import PartRecord, metadata_of
 from adapterpack.assemble.records import FunctionRecord, Reporter
 from adapterpack.formats.aimodel.format import AIMODEL
-from adapterpack.formats.metadata import METADATA_PREFIX, library_versions, package_metadata
+from adapterpack.formats.metadata import METADATA_PREFIX, library_versions
 from adapterpack.inputs.checked import CheckedInputs, hf_name
 
 log = logging.getLogger(__name__)
@@ -82,19 +82,9 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
         del base, model
         gc.collect()
         log.debug("compressed weights: %d made, %d shared with an earlier function", weights.compressed_count, weights.reused_count)
-        first = records[names[0]]
-        metadata = package_metadata(
-            hf_name=first.base["hf_name"],
-            manifest_name=manifest.name,
-            functions={name: records[name].function_record().as_metadata() for name in names},
-            default_function=manifest.default,
-            max_context=first.max_context,
-            base={k: first.base[k] for k in ("source", "revision", "sha256")},
-            versions=library_versions(AIMODEL.libraries),
-        )
+        metadata, description = metadata_of([records[name] for name in names], library_versions(AIMODEL.libraries))
         # What `inspect` needs for the activations estimate, which a .mlpackage reads from its program.
         metadata[METADATA_PREFIX + "shape"] = json.dumps(model_sizes(checked.base.config), sort_keys=True)
-        description = f"{manifest.name}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"
         with reporter.stage(f"convert {len(names)} function(s) to one Core AI program"):
             session.save(target, metadata=metadata, description=description)
     finally:

@@ -9,10 +9,10 @@ import logging
 import shutil
 from pathlib import Path
 
-from adapterpack.assemble.parts import PART_FORMAT, Part, PartRecord, content_key, place
+from adapterpack.assemble.parts import PART_FORMAT, Part, PartRecord, content_key, metadata_of, place
 from adapterpack.assemble.records import Reporter
 from adapterpack.errors import BadInput
-from adapterpack.formats.metadata import library_versions, package_metadata
+from adapterpack.formats.metadata import library_versions
 from adapterpack.formats.mlpackage.format import MLPACKAGE
 from adapterpack.formats.mlpackage.merge import merge_functions
 from adapterpack.formats.mlpackage.weight_patch import TensorChange, patch_weights
@@ -397,18 +397,7 @@ def merge_parts(parts: list[Part], destination: Path) -> dict[str, str]:
     metadata; returns each function's digest (``mlpackage.digest``)."""
 
     first = parts[0].record
-    records = [record.function_record() for record, _ in parts]
-    metadata = package_metadata(
-        hf_name=first.base["hf_name"],
-        manifest_name=first.manifest_name,
-        functions={r.name: r.as_metadata() for r in records},
-        default_function=first.default_function,
-        max_context=first.max_context,
-        base={k: first.base[k] for k in ("source", "revision", "sha256")},
-        versions=first.versions,
-    )
-    names = [r.name for r in records]
-    description = f"{first.manifest_name}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"
+    metadata, description = metadata_of([record for record, _ in parts], first.versions)
     return merge_functions(
         {record.function: path for record, path in parts},
         default_function=first.default_function,

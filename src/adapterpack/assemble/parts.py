@@ -13,13 +13,13 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
 from adapterpack.assemble.records import FunctionRecord
 from adapterpack.errors import BadInput
-from adapterpack.formats.metadata import library_versions
+from adapterpack.formats.metadata import library_versions, package_metadata
 from adapterpack.formats.mlpackage.format import MLPACKAGE
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,17 @@ def content_key(payload: dict) -> str:
 
 
 @dataclass(frozen=True)
+class BaseSource:
+    """The base a part was built from: as the manifest names it, its content and the name the
+    Swift client looks its tokenizer up by."""
+
+    source: str
+    revision: str | None
+    sha256: str
+    hf_name: str
+
+
+@dataclass(frozen=True)
 class PartRecord:
     """Everything that determines the bytes of one function's part; stored beside it as JSON."""
 
@@ -59,7 +70,7 @@ class PartRecord:
     compression: str  # human-readable
     compression_settings: dict
     lora_compression: dict | None  # keep mode only
-    base: dict  # source, revision, sha256, hf_name
+    base: BaseSource
     max_context: int
     deployment_target: str
     versions: dict[str, str]
@@ -86,12 +97,9 @@ class PartRecord:
             compression=compression.describe(),
             compression_settings=compression.model_dump(mode="json"),
             lora_compression=manifest.lora_compression.model_dump(mode="json") if mode == "keep" else None,
-            base={
-                "source": manifest.base.path,
-                "revision": manifest.base.revision,
-                "sha256": checked.base.content_hash,
-                "hf_name": hf_name,
-            },
+            base=BaseSource(
+                source=manifest.base.path, revision=manifest.base.revision, sha256=checked.base.content_hash, hf_name=hf_name
+            ),
             max_context=manifest.export.max_context,
             deployment_target=manifest.export.deployment_target,
             versions=library_versions(MLPACKAGE.libraries),
@@ -102,6 +110,7 @@ class PartRecord:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["adapterSha256"] = data.pop("adapter_sha256")
         data["function_order"] = list(self.function_order)
+        data["base"] = asdict(self.base)
         return data
 
     @classmethod
@@ -118,6 +127,10 @@ class PartRecord:
         if set(values) != names:
             raise BadInput(f"{where}: part record fields {sorted(set(values) ^ names)} missing or unknown")
         values["function_order"] = tuple(values["function_order"])
+        try:
+            values["base"] = BaseSource(**values["base"])
+        except TypeError:
+            raise BadInput(f"{where}: part record's base is not {{source, revision, sha256, hf_name}}") from None
         return cls(**values)
 
     @property
@@ -197,3 +210,20 @@ def read_parts(folder: Path) -> list[Part]:
         detail = "; ".join(filter(None, [missing and f"missing {', '.join(missing)}", extra and f"unexpected {', '.join(extra)}"]))
         raise BadInput(f"{folder}: parts do not make up the package: {detail}")
     return sorted(parts, key=lambda part: order.index(part.record.function))
+
+
+def metadata_of(records: list[PartRecord], versions: dict[str, str]) -> tuple[dict[str, str], str]:
+    """(package metadata, short description) of a package holding the functions of ``records``
+    (one manifest's, in the package's order), written by libraries of ``versions``."""
+    first = records[0]
+    metadata = package_metadata(
+        hf_name=first.base.hf_name,
+        manifest_name=first.manifest_name,
+        functions={r.function: r.function_record().as_metadata() for r in records},
+        default_function=first.default_function,
+        max_context=first.max_context,
+        base={"source": first.base.source, "revision": first.base.revision, "sha256": first.base.sha256},
+        versions=versions,
+    )
+    names = [r.function for r in records]
+    return metadata, f"{first.manifest_name}: {len(names)} function(s) ({', '.join(names)}), built by adapterpack"

@@ -272,7 +272,7 @@ def merge_from_parts(
     destination = Path(output).resolve()
     checked = check_inputs(manifest, strict=options.strict) if manifest is not None else None
     check_destination(destination, checked, force=options.force)
-    if checked is not None and checked.base.content_hash != parts[0].record.base["sha256"]:
+    if checked is not None and checked.base.content_hash != parts[0].record.base.sha256:
         raise BadInput(f"{parts_dir}: the parts were built from another base than {checked.manifest.source} names")
     report = None
     with Staging(destination) as staging:

@@ -103,23 +103,12 @@ def release(
     """Build, verify and write ``<name>.mlpackage.zip``, ``build-info.json``, ``SHA256SUMS`` and
     (``bundle``) the app-ready folder ``<name>/`` (``release.bundle``), whose model card has an
     evaluation table when ``eval_text`` is given (``evaluate.perplexity``)."""
-    from adapterpack.release.bundle import check_tokenizer_files, write_bundle
+    from adapterpack.release.bundle import write_bundle
 
     reporter = reporter or Reporter()
     out_dir = Path(out_dir).resolve()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BadInput(f"{out_dir}: --out-dir names a file; give a folder (it is created when missing)")
-    checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
-    package_format = chosen_format(checked.manifest, None, options.package_format)
-    checked = checked.with_format(package_format.name)  # build's own state-size check warns once
+    checked, package_name = _checked_release(manifest, out_dir, options, bundle=bundle, eval_text=eval_text)
     name = checked.manifest.name
-    package_name = f"{name}{package_format.suffix}"
-    if bundle:
-        check_tokenizer_files(checked)
-    if eval_text is not None:
-        from adapterpack.evaluate.text import read_text_file
-
-        read_text_file(eval_text)  # a bad text file is bad input before anything is built
     targets = [out_dir / f"{package_name}.zip", out_dir / BUILD_INFO, out_dir / SUMS]
     bundle_target = out_dir / name
     existing = [t for t in [*targets, bundle_target] if t.exists()]
@@ -149,21 +138,47 @@ def release(
         info = build_info(checked, result, zip_path)
         info["bundle"] = bundle_files or None
         info["eval"] = evaluated.as_json() | {"package": package_name, "text": Path(eval_text).name} if evaluated else None
-        info_path = staging.folder / BUILD_INFO
-        info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        sums_path = staging.folder / SUMS
-        sums = {p.name: sha256_files([p]) for p in (zip_path, info_path)} | bundle_files
-        sums_path.write_text("".join(f"{digest}  {path}\n" for path, digest in sorted(sums.items())))
+        written = _write_provenance(staging.folder, zip_path, info, bundle_files)
         if bundle:
             shutil.rmtree(bundle_target, ignore_errors=True)  # --force: the new one is complete
             os.replace(staging.folder / name, bundle_target)
         # The sums file goes last: a release folder with a SHA256SUMS is complete.
-        for built, target in zip((zip_path, info_path, sums_path), targets):
+        for built, target in zip(written, targets):
             os.replace(built, target)
     return ReleaseResult(
         zip_path=targets[0], build_info=targets[1], sums=targets[2], build=result,
         bundle=bundle_target if bundle else None, eval_report=evaluated,
     )
+
+
+def _checked_release(manifest, out_dir: Path, options: BuildOptions, *, bundle: bool, eval_text: Path | None):
+    """(checked inputs writing the chosen format, the package's file name): every check a
+    release makes before anything is built."""
+    from adapterpack.release.bundle import check_tokenizer_files
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BadInput(f"{out_dir}: --out-dir names a file; give a folder (it is created when missing)")
+    checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
+    package_format = chosen_format(checked.manifest, None, options.package_format)
+    checked = checked.with_format(package_format.name)  # build's own state-size check warns once
+    if bundle:
+        check_tokenizer_files(checked)
+    if eval_text is not None:
+        from adapterpack.evaluate.text import read_text_file
+
+        read_text_file(eval_text)  # a bad text file is bad input before anything is built
+    return checked, f"{checked.manifest.name}{package_format.suffix}"
+
+
+def _write_provenance(folder: Path, zip_path: Path, info: dict, bundle_files: dict[str, str]) -> tuple[Path, Path, Path]:
+    """Write build-info.json and SHA256SUMS (over the zip, build-info and every bundle file)
+    into ``folder``; returns (zip, build-info, sums)."""
+    info_path = folder / BUILD_INFO
+    info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    sums_path = folder / SUMS
+    sums = {p.name: sha256_files([p]) for p in (zip_path, info_path)} | bundle_files
+    sums_path.write_text("".join(f"{digest}  {path}\n" for path, digest in sorted(sums.items())))
+    return zip_path, info_path, sums_path
 
 
 def build_info(checked, result: BuildResult, zip_path: Path) -> dict:

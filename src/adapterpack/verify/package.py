@@ -76,20 +76,26 @@ def verify_package(
     except Exception as error:  # a damaged package fails verification rather than crashing it
         report.integrity.append(f"package cannot be loaded: {type(error).__name__}: {error}")
         return report
-    # All PyTorch references first, then the torch base goes, and each function runs alone:
-    # at no point does a float32 base share memory with a function's weights.
+    to_run = [n for n in expected if n not in reuse]
+    ran = _run_functions(checked, to_run, run, digests, report, backend, stage)
+    report.functions = [reuse[name] if name in reuse else ran[name] for name in expected if name in reuse or name in ran]
+    return report
+
+
+def _run_functions(checked, names: list[str], run, digests: dict[str, str], report: VerifyReport, backend: str, stage) -> dict:
+    """{function: its report} for each of ``names`` that runs; a function that cannot run is
+    an integrity failure in ``report``."""
     import gc
 
-    to_run = [n for n in expected if n not in reuse]
-    with stage(f"references: the PyTorch base and {sum(manifest.adapter(n) is not None for n in to_run)} adapter(s), float32"):
-        tokens, base_reference, references = reference_logits(checked, to_run)
+    manifest = checked.manifest
+    # All PyTorch references first, then the torch base goes, and each function runs alone:
+    # at no point does a float32 base share memory with a function's weights.
+    with stage(f"references: the PyTorch base and {sum(manifest.adapter(n) is not None for n in names)} adapter(s), float32"):
+        tokens, base_reference, references = reference_logits(checked, names)
     prefill = min(manifest.verify.prefill, len(tokens))
     gc.collect()
-
-    for name in expected:
-        if name in reuse:
-            report.functions.append(reuse[name])
-            continue
+    ran: dict[str, FunctionReport] = {}
+    for name in names:
         try:
             with stage(f"{name}: run both drives ({backend})"):
                 got, trouble = run(name, tokens, prefill)
@@ -101,11 +107,10 @@ def verify_package(
         except Exception as error:  # a damaged function fails verification rather than crashing it
             report.integrity.append(f"function {name} cannot be run: {type(error).__name__}: {error}")
             continue
-        report.functions.append(
-            function_report(manifest, name, got, references.get(name, base_reference), base_reference, trouble, digests.get(name, ""))
-        )
+        reference = references.get(name, base_reference)
+        ran[name] = function_report(manifest, name, got, reference, base_reference, trouble, digests.get(name, ""))
         gc.collect()
-    return report
+    return ran
 
 
 def function_report(
