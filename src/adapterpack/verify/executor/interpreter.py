@@ -22,7 +22,7 @@ input-dependent ops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -514,127 +514,30 @@ class ProgramExecutor:
 
     def _compile(self, function: str | None) -> _Compiled:
         """Resolve slots, fold every constant-only op (constexpr included) once, and cache."""
-        from coremltools.converters.mil.mil import types
-
         name, func = self._function(function)
         if name in self._compiled:
             return self._compiled[name]
-
-        slots: dict[int, int] = {}
-        env: list[Any] = []
-        static: set[int] = set()
-
-        def slot_of(var: Any) -> int:
-            key = id(var)
-            if key not in slots:
-                slots[key] = len(env)
-                env.append(None)
-            return slots[key]
-
-        inputs: list[_InputSpec] = []
-        states: dict[str, tuple[tuple[int, ...], Any]] = {}
-        state_slots: dict[int, str] = {}
-        for in_name, var in func.inputs.items():
-            slot = slot_of(var)
-            if types.is_state(var.sym_type):
-                wrapped = var.sym_type.wrapped_type()
-                dtype = np.dtype(types.nptype_from_builtin(wrapped.get_primitive()))
-                states[in_name] = (tuple(int(d) for d in wrapped.get_shape()), dtype)
-                state_slots[slot] = in_name
-            else:
-                inputs.append(_InputSpec(in_name, slot, _declared_dtype(var), _concrete_shape(var.shape)))
-
-        in_spec = self._declared.get(name)
-
-        def declared_of(var: Any) -> _Declared | None:
-            if in_spec is not None:
-                return in_spec.get(var.name)
-            return _declared_of_var(var)
-
-        steps: list[_Step] = []
-        attentions = 0
         # Constants read by constant-only ops alone (a palettized weight's indices and palette)
         # are let go as soon as their last reader is folded: a 3B model's indices are 3 GB,
         # and holding them beside the dense weights they fold into would add that to the peak.
         # Only in a program of this one function: other functions may share the arrays.
-        readers_left: dict[int, int] = {}
-        const_ops: dict[int, Any] = {}
-        release = len(self._program.functions) == 1
-        returned = {id(var) for var in func.outputs}
+        compiler = _Compiler(name, func, self._declared.get(name), release=len(self._program.functions) == 1)
         for op in func.operations:
-            label = _label(op)
             _check_supported(op, name)
             if op.op_type == "const":
-                slot = slot_of(op.outputs[0])
-                env[slot] = _const_value(op.outputs[0])
-                static.add(slot)
-                if id(op.outputs[0]) not in returned:
-                    readers_left[slot] = len(op.outputs[0].child_ops)
-                    const_ops[slot] = op
-                continue
-            if op.op_type in _STATE_OPS:
-                state_var = op.inputs["input"] if op.op_type == "read_state" else op.inputs["state"]
-                state_name = state_slots.get(slots.get(id(state_var), -1))
-                if state_name is None:
-                    raise UnsupportedOp(f"{op.op_type} ({label!r}) in function {name!r} does not act on a state input")
-                args: tuple[tuple[str, Any], ...] = ()
-                if op.op_type == "coreml_update_state":
-                    args = (("value", slot_of(op.inputs["value"])),)
-                kind = _READ if op.op_type == "read_state" else _WRITE
-                declared = declared_of(op.outputs[0])
-                state_shape, state_dtype = states[state_name]
-                if declared is not None and declared.mismatch(np.empty(state_shape, state_dtype)) is not None:
-                    raise DeclaredTypeMismatch(
-                        f"function {name!r}: op {op.op_type!r} -> {label!r} declares {declared.describe()} "
-                        f"for state {state_name!r} of {state_dtype} {state_shape}"
-                    )
-                steps.append(_Step(kind, op.op_type, label, None, args, (slot_of(op.outputs[0]),), (None,), state_name))
-                continue
-            impl = _OPS[op.op_type]
-            arg_list: list[tuple[str, Any]] = []
-            for param, value in op.inputs.items():
-                if isinstance(value, (list, tuple)):
-                    arg_list.append((param, tuple(slot_of(v) for v in value)))
-                else:
-                    arg_list.append((param, slot_of(value)))
-            step = _Step(
-                _CALL,
-                op.op_type,
-                label,
-                impl.fn,
-                tuple(arg_list),
-                tuple(slot_of(o) for o in op.outputs),
-                tuple(_declared_dtype(o) for o in op.outputs),
-                declared=tuple(declared_of(o) for o in op.outputs),
-                attentions_before=attentions,
-            )
-            if op.op_type == "scaled_dot_product_attention":
-                attentions += 1
-            refs = [r for _, ref in arg_list for r in (ref if isinstance(ref, tuple) else (ref,))]
-            if all(r in static for r in refs):
-                # Depends on constants only (constexpr decompression, casts of weights, shape
-                # arithmetic on constants): evaluate once here instead of on every call.
-                self._run_step(step, env, name)
-                static.update(step.outs)
-                for ref in set(refs) & readers_left.keys():
-                    readers_left[ref] -= 1
-                    if readers_left[ref] == 0 and release:
-                        env[ref] = None
-                        _release_const(const_ops.pop(ref))
+                compiler.constant(op)
+            elif op.op_type in _STATE_OPS:
+                compiler.steps.append(compiler.state_step(op))
             else:
-                steps.append(step)
-                for ref in set(refs) & readers_left.keys():
-                    readers_left.pop(ref)  # read at run time: kept
-
-        outputs = [(var.name, slot_of(var)) for var in func.outputs]
-        self._widen_static_operands(steps, env, static)
-
-        # Drop folded intermediates nobody reads at run time (e.g. the compressed blobs).
-        needed = {r for s in steps for _, ref in s.args for r in (ref if isinstance(ref, tuple) else (ref,))}
-        needed |= {slot for _, slot in outputs}
-        env = [v if (i in needed or i not in static) else None for i, v in enumerate(env)]
-
-        compiled = _Compiled(steps, env, inputs, states, state_slots, outputs, attentions)
+                step = compiler.call_step(op)
+                if compiler.reads_constants_only(step):
+                    # Depends on constants only (constexpr decompression, casts of weights, shape
+                    # arithmetic on constants): evaluate once here instead of on every call.
+                    self._run_step(step, compiler.env, name)
+                    compiler.folded(step)
+                else:
+                    compiler.kept(step)
+        compiled = compiler.compiled(self._widen_static_operands)
         self._compiled[name] = compiled
         return compiled
 
@@ -663,3 +566,126 @@ class ProgramExecutor:
                     ref = widened.get(ref, ref)
                 new_args.append((param, ref))
             step.args = tuple(new_args)
+
+
+class _Compiler:
+    """The state of compiling one function: a slot per value (``env``), which slots hold values
+    known before any call (``static``), and the steps left to run at call time."""
+
+    def __init__(self, name: str, func: Any, in_spec: dict | None, *, release: bool):
+        from coremltools.converters.mil.mil import types
+
+        self.name, self.func, self.in_spec, self.release = name, func, in_spec, release
+        self.slots: dict[int, int] = {}
+        self.env: list[Any] = []
+        self.static: set[int] = set()
+        self.steps: list[_Step] = []
+        self.attentions = 0
+        self.readers_left: dict[int, int] = {}
+        self.const_ops: dict[int, Any] = {}
+        self.returned = {id(var) for var in func.outputs}
+        self.inputs: list[_InputSpec] = []
+        self.states: dict[str, tuple[tuple[int, ...], Any]] = {}
+        self.state_slots: dict[int, str] = {}
+        for in_name, var in func.inputs.items():
+            slot = self.slot_of(var)
+            if types.is_state(var.sym_type):
+                wrapped = var.sym_type.wrapped_type()
+                dtype = np.dtype(types.nptype_from_builtin(wrapped.get_primitive()))
+                self.states[in_name] = (tuple(int(d) for d in wrapped.get_shape()), dtype)
+                self.state_slots[slot] = in_name
+            else:
+                self.inputs.append(_InputSpec(in_name, slot, _declared_dtype(var), _concrete_shape(var.shape)))
+
+    def slot_of(self, var: Any) -> int:
+        key = id(var)
+        if key not in self.slots:
+            self.slots[key] = len(self.env)
+            self.env.append(None)
+        return self.slots[key]
+
+    def declared_of(self, var: Any) -> _Declared | None:
+        if self.in_spec is not None:
+            return self.in_spec.get(var.name)
+        return _declared_of_var(var)
+
+    def constant(self, op: Any) -> None:
+        slot = self.slot_of(op.outputs[0])
+        self.env[slot] = _const_value(op.outputs[0])
+        self.static.add(slot)
+        if id(op.outputs[0]) not in self.returned:
+            self.readers_left[slot] = len(op.outputs[0].child_ops)
+            self.const_ops[slot] = op
+
+    def state_step(self, op: Any) -> _Step:
+        """A read or write of a state input, its declared type checked against the state's."""
+        label = _label(op)
+        state_var = op.inputs["input"] if op.op_type == "read_state" else op.inputs["state"]
+        state_name = self.state_slots.get(self.slots.get(id(state_var), -1))
+        if state_name is None:
+            raise UnsupportedOp(f"{op.op_type} ({label!r}) in function {self.name!r} does not act on a state input")
+        args: tuple[tuple[str, Any], ...] = ()
+        if op.op_type == "coreml_update_state":
+            args = (("value", self.slot_of(op.inputs["value"])),)
+        kind = _READ if op.op_type == "read_state" else _WRITE
+        declared = self.declared_of(op.outputs[0])
+        state_shape, state_dtype = self.states[state_name]
+        if declared is not None and declared.mismatch(np.empty(state_shape, state_dtype)) is not None:
+            raise DeclaredTypeMismatch(
+                f"function {self.name!r}: op {op.op_type!r} -> {label!r} declares {declared.describe()} "
+                f"for state {state_name!r} of {state_dtype} {state_shape}"
+            )
+        return _Step(kind, op.op_type, label, None, args, (self.slot_of(op.outputs[0]),), (None,), state_name)
+
+    def call_step(self, op: Any) -> _Step:
+        arg_list: list[tuple[str, Any]] = []
+        for param, value in op.inputs.items():
+            if isinstance(value, (list, tuple)):
+                arg_list.append((param, tuple(self.slot_of(v) for v in value)))
+            else:
+                arg_list.append((param, self.slot_of(value)))
+        step = _Step(
+            _CALL,
+            op.op_type,
+            _label(op),
+            _OPS[op.op_type].fn,
+            tuple(arg_list),
+            tuple(self.slot_of(o) for o in op.outputs),
+            tuple(_declared_dtype(o) for o in op.outputs),
+            declared=tuple(self.declared_of(o) for o in op.outputs),
+            attentions_before=self.attentions,
+        )
+        if op.op_type == "scaled_dot_product_attention":
+            self.attentions += 1
+        return step
+
+    @staticmethod
+    def _refs(step: _Step) -> list[int]:
+        return [r for _, ref in step.args for r in (ref if isinstance(ref, tuple) else (ref,))]
+
+    def reads_constants_only(self, step: _Step) -> bool:
+        return all(r in self.static for r in self._refs(step))
+
+    def folded(self, step: _Step) -> None:
+        """``step`` ran at compile time: its outputs are known, and constants it was the last to read go."""
+        self.static.update(step.outs)
+        for ref in set(self._refs(step)) & self.readers_left.keys():
+            self.readers_left[ref] -= 1
+            if self.readers_left[ref] == 0 and self.release:
+                self.env[ref] = None
+                _release_const(self.const_ops.pop(ref))
+
+    def kept(self, step: _Step) -> None:
+        """``step`` runs at call time: the constants it reads are kept."""
+        self.steps.append(step)
+        for ref in set(self._refs(step)) & self.readers_left.keys():
+            self.readers_left.pop(ref)
+
+    def compiled(self, widen: Callable[[list[_Step], list[Any], set[int]], None]) -> _Compiled:
+        outputs = [(var.name, self.slot_of(var)) for var in self.func.outputs]
+        widen(self.steps, self.env, self.static)
+        # Drop folded intermediates nobody reads at run time (e.g. the compressed blobs).
+        needed = {r for s in self.steps for r in self._refs(s)}
+        needed |= {slot for _, slot in outputs}
+        env = [v if (i in needed or i not in self.static) else None for i, v in enumerate(self.env)]
+        return _Compiled(self.steps, env, self.inputs, self.states, self.state_slots, outputs, self.attentions)
