@@ -18,7 +18,7 @@ from pathlib import Path
 
 from adapterpack.assemble.builder import check_value_ranges
 from adapterpack.assemble.parts import PartRecord, metadata_of
-from adapterpack.assemble.records import FunctionRecord, Reporter
+from adapterpack.assemble.records import FunctionProvenance, Reporter
 from adapterpack.formats.aimodel.format import AIMODEL
 from adapterpack.formats.metadata import METADATA_PREFIX, library_versions
 from adapterpack.inputs.checked import CheckedInputs, hf_name
@@ -36,7 +36,7 @@ def model_sizes(config: dict) -> dict[str, int | None]:
     }
 
 
-def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cache=None) -> list[FunctionRecord]:
+def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cache=None) -> list[FunctionProvenance]:
     """Write ``target`` (a ``.aimodel``): one entry point per function of ``checked``'s manifest."""
     from adapterpack.assemble.cache import FolderPalettes
     from adapterpack.compress.coreai_weights import CoreAIWeights
@@ -89,4 +89,4 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
             session.save(target, metadata=metadata, description=description)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return [records[name].function_record() for name in names]
+    return [records[name].provenance() for name in names]

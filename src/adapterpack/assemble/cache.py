@@ -164,6 +164,14 @@ class Entry:
         return None
 
 
+@dataclass(frozen=True)
+class Repaired:
+    """What ``BuildCache.repair`` found: entries intact, and damaged ones it dropped."""
+
+    intact: int
+    damaged: int
+
+
 class BuildCache:
     """Entries by kind and content key under ``folder`` (default: ``.adapterpack-cache`` beside
     the output). ``warn(line)`` reports a damaged entry (default: the log)."""
@@ -285,6 +293,25 @@ class BuildCache:
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
             raise
+
+    def repair(self, report: Callable[[str], None]) -> Repaired:
+        """Re-hash every entry against the SHA-256 recorded when it was written; drop each damaged
+        or unreadable one (the next build makes it again), saying so through ``report``."""
+        intact = damaged = 0
+        for entry in self.entries():
+            if not isinstance(entry, Entry):
+                report(f"{entry}: not a readable entry: dropped")
+                self.drop(entry)
+                damaged += 1
+                continue
+            problem = entry.problem()
+            if problem is None:
+                intact += 1
+                continue
+            report(f"{entry.name}: damaged ({problem}): dropped")
+            self.drop(entry.folder)
+            damaged += 1
+        return Repaired(intact=intact, damaged=damaged)
 
     def drop(self, folder: Path) -> None:
         """Remove an entry: renamed out of its kind's namespace first, so no reader ever finds it

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
-from adapterpack.assemble.records import FunctionRecord
+from adapterpack.assemble.records import FunctionProvenance
 from adapterpack.errors import BadInput
 from adapterpack.formats.metadata import library_versions, package_metadata
 from adapterpack.formats.mlpackage.format import MLPACKAGE
@@ -138,8 +138,8 @@ class PartRecord:
         """Content key: identical for identical inputs, settings and tool versions."""
         return content_key({k: v for k, v in self.as_json().items() if k not in UNKEYED_FIELDS})
 
-    def function_record(self) -> FunctionRecord:
-        return FunctionRecord(self.function, self.adapter, self.adapter_sha256, self.lora, self.scale, self.compression)
+    def provenance(self) -> FunctionProvenance:
+        return FunctionProvenance(self.function, self.adapter, self.adapter_sha256, self.lora, self.scale, self.compression)
 
 
 class Part(NamedTuple):
@@ -219,7 +219,7 @@ def metadata_of(records: list[PartRecord], versions: dict[str, str]) -> tuple[di
     metadata = package_metadata(
         hf_name=first.base.hf_name,
         manifest_name=first.manifest_name,
-        functions={r.function: r.function_record().as_metadata() for r in records},
+        functions={r.function: r.provenance().as_metadata() for r in records},
         default_function=first.default_function,
         max_context=first.max_context,
         base={"source": first.base.source, "revision": first.base.revision, "sha256": first.base.sha256},

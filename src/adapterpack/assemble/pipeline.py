@@ -22,7 +22,7 @@ from adapterpack.assemble.builder import (
 from adapterpack.assemble.cache import BuildCache
 from adapterpack.assemble.parts import PartRecord, content_key, read_parts, write_part
 from adapterpack.assemble.plan import Plan, check_destination, checked_for, plan_build, refuse_whole_format
-from adapterpack.assemble.records import BuildOptions, BuildResult, FunctionRecord, Reporter
+from adapterpack.assemble.records import BuildOptions, BuildResult, FunctionProvenance, Reporter
 from adapterpack.assemble.staging import Staging
 from adapterpack.config.device_rules import package_findings
 from adapterpack.config.devices import lora_float16_bytes
@@ -54,10 +54,10 @@ def check_device_rules(package: Path, *, strict: bool, sizes_checked: bool = Fal
 
 @dataclass
 class Written:
-    """What a writer put in staging: the function records, and for a format built in parts,
+    """What a writer put in staging: each function's provenance, and for a format built in parts,
     each part's record and size, the functions taken from the cache, each function's digest."""
 
-    records: list[FunctionRecord]
+    functions: list[FunctionProvenance]
     parts: list = field(default_factory=list)  # [(PartRecord, part folder)]
     part_sizes: dict[str, int] = field(default_factory=dict)
     reused: list[str] = field(default_factory=list)
@@ -106,7 +106,7 @@ def _write_in_parts(plan: Plan, staged: Path, options: BuildOptions, reporter: R
         digests = merge_parts(parts, staged)
     check_device_rules(staged, strict=options.strict, sizes_checked=True)
     return Written(
-        records=[record.function_record() for record, _ in parts],
+        functions=[record.provenance() for record, _ in parts],
         parts=parts,
         part_sizes={record.function: folder_size(path) for record, path in parts},
         reused=reused,
@@ -118,7 +118,7 @@ def _write_whole(plan: Plan, staged: Path, options: BuildOptions, reporter: Repo
     """Every function written into ``staged`` by one converter session (build cache: palettes only)."""
     from adapterpack.assemble.aimodel import build_asset
 
-    return Written(records=build_asset(plan.checked, staged, reporter, cache=plan.cache))
+    return Written(functions=build_asset(plan.checked, staged, reporter, cache=plan.cache))
 
 
 def _verified(plan: Plan, staged: Path, written: Written, options: BuildOptions, reporter: Reporter):
@@ -129,7 +129,7 @@ def _verified(plan: Plan, staged: Path, written: Written, options: BuildOptions,
         record.function: verdict_key(record, written.digests[record.function], plan.manifest, backend) for record, _ in written.parts
     }
     reuse = plan.cache.verified(keys) if plan.cache is not None and keys else {}
-    label = f"verify {len(written.records) - len(reuse)} function(s) ({backend})"
+    label = f"verify {len(written.functions) - len(reuse)} function(s) ({backend})"
     with reporter.stage(label + (f"; {len(reuse)} with bytes equal to bytes verified before" if reuse else "")):
         report = verify_package(
             staged, plan.manifest, backend=options.backend, checked=plan.checked, reuse=reuse, digests=written.digests,
@@ -151,7 +151,7 @@ def _result(package_format: Format, destination: Path, manifest, written: Writte
     return BuildResult(
         output=destination,
         manifest=manifest,
-        functions=written.records,
+        functions=written.functions,
         default_function=manifest.default if manifest is not None else written.parts[0][0].default_function,
         part_sizes=written.part_sizes,
         package_size=folder_size(destination),
@@ -286,7 +286,7 @@ def merge_from_parts(
             refuse_unless_passed(report, destination)
         staging.commit(merged)
     written = Written(
-        records=[record.function_record() for record, _ in parts],
+        functions=[record.provenance() for record, _ in parts],
         parts=parts,
         part_sizes={record.function: folder_size(path) for record, path in parts},
     )

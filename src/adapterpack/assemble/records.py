@@ -94,7 +94,10 @@ class BuildOptions:
 
 
 @dataclass
-class FunctionRecord:
+class FunctionProvenance:
+    """Where a function of a package comes from: its adapter (path, content hash, how applied)
+    and its compression; written into the package's metadata and release cards."""
+
     name: str
     adapter: str | None
     adapter_sha256: str | None
@@ -116,7 +119,7 @@ class FunctionRecord:
 class BuildResult:
     output: Path
     manifest: Manifest
-    functions: list[FunctionRecord]
+    functions: list[FunctionProvenance]
     default_function: str
     part_sizes: dict[str, int] = field(default_factory=dict)
     package_size: int = 0

@@ -560,25 +560,13 @@ def cache_verify(folder: CacheFolderArg = Path(".adapterpack-cache")) -> None:
     """
     configure_logging(quiet=True)
     with error_boundary():
-        from adapterpack.assemble.cache import Entry
-
         cache = _open_cache(folder)
-        checked = damaged = 0
-        for entry in cache.entries():
-            if not isinstance(entry, Entry):
-                out.print(f"{entry}: not a readable entry: dropped", highlight=False)
-                cache.drop(entry)
-                damaged += 1
-                continue
-            checked += 1
-            problem = entry.problem()
-            if problem is not None:
-                out.print(f"{entry.name}: damaged ({problem}): dropped", highlight=False)
-                cache.drop(entry.folder)
-                damaged += 1
-        if damaged:
-            raise VerificationFailed(f"cache verify: {damaged} damaged entr{'y' if damaged == 1 else 'ies'} dropped, {checked - damaged} intact")
-        out.print(f"cache verify: all {checked} entries intact", highlight=False)
+        found = cache.repair(report=lambda line: out.print(line, highlight=False))
+        if found.damaged:
+            raise VerificationFailed(
+                f"cache verify: {found.damaged} damaged entr{'y' if found.damaged == 1 else 'ies'} dropped, {found.intact} intact"
+            )
+        out.print(f"cache verify: all {found.intact} entries intact", highlight=False)
 
 
 @cache_app.command("prune")
