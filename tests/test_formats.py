@@ -1,0 +1,57 @@
+"""The format seam: every format the registry holds is complete (a reader, a runtime that can run
+it, an inspection, card text), the schema and the registry agree on the formats that exist, and
+no code outside the formats layer tests which format it holds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from adapterpack.config.manifest import PACKAGE_FORMATS
+from adapterpack.errors import BadInput
+from adapterpack.formats.registry import FORMATS, NAMES, named, of_output, of_package
+from adapterpack.report.asset import INSPECTORS
+from adapterpack.verify.runners import SESSIONS
+
+SOURCE = Path(__file__).resolve().parents[1] / "src" / "adapterpack"
+
+
+def test_the_schema_and_the_registry_know_the_same_formats():
+    assert tuple(PACKAGE_FORMATS) == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_format_is_complete(name):
+    package_format = FORMATS[name]
+    assert package_format in INSPECTORS
+    assert (package_format.runtime or "numpy") in SESSIONS
+    assert named(name) is package_format and of_output(f"x/y{package_format.suffix}") is package_format
+    intro = package_format.card.introduction(f"n{package_format.suffix}", "hub/base", 64, "iOS18")
+    lead, code, _ = package_format.card.swift(f"n{package_format.suffix}", "n", "AdapterFunction", "chat", "the tokenizer")
+    assert f"n{package_format.suffix}" in intro and "AdapterFunction.chat.rawValue" in "\n".join(code) and lead
+
+
+def test_paths_and_names_map_to_formats():
+    assert of_output("out/x.zip") is None
+    assert of_package("out/model.mlmodel") is FORMATS["mlpackage"]  # Core ML's reader takes an .mlmodel too
+    with pytest.raises(BadInput, match="choose mlpackage or aimodel"):
+        named("onnx")
+
+
+# A test of the format outside the formats layer: comparing a format name or a path's suffix with a
+# package suffix. The schema (config/manifest.py) states which formats exist and checks `output:`.
+FORMAT_TEST = re.compile(r"""==\s*["'](mlpackage|aimodel)["']|["'](mlpackage|aimodel)["']\s*==|suffix\s*==\s*["']\.(mlpackage|aimodel)|is_asset\(""")
+
+
+def test_no_code_outside_the_formats_layer_tests_a_format():
+    found = []
+    for file in SOURCE.rglob("*.py"):
+        relative = file.relative_to(SOURCE).as_posix()
+        if relative.startswith("formats/") or relative == "config/manifest.py":
+            continue
+        for number, line in enumerate(file.read_text().splitlines(), 1):
+            if FORMAT_TEST.search(line):
+                found.append(f"{relative}:{number}: {line.strip()}")
+    assert not found, found
