@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
+import kmeans1d
 import numpy as np
+import pytest
 
 import adapterpack.compress.palettes as palettes
 from adapterpack.compress.kmeans import kmeans_1d
@@ -38,6 +43,48 @@ def test_few_distinct_values_are_kept_exactly():
     row = np.repeat(np.array([-1.5, 0.25, 3.0], np.float16), 100)[None]
     lut, labels = kmeans_1d(row, 4)
     np.testing.assert_array_equal(lut[0][labels[0]].astype(np.float16), row[0])
+
+
+def _optimal_error(row: np.ndarray, nbits: int) -> float:
+    """Squared error of the exact 1-D k-means optimum (kmeans1d, the package coremltools' own
+    k-means palettization uses for large float16 groups)."""
+    values = row.astype(np.float64)
+    labels, centroids = kmeans1d.cluster(values, 1 << nbits)
+    return float(((values - np.asarray(centroids)[labels]) ** 2).sum())
+
+
+def _real_weights(name: str) -> np.ndarray:
+    spec = importlib.util.spec_from_file_location("smollm2_script", Path(__file__).resolve().parents[1] / "scripts" / "smollm2.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    import torch
+    from safetensors.torch import load_file as load_torch
+
+    return load_torch(script.ensure_base() / "model.safetensors")[name].to(torch.float16).numpy()
+
+
+def _weight_groups(kind: str) -> np.ndarray:
+    """Two groups of 16 output channels, as builds palettize them."""
+    rng = np.random.default_rng(7)
+    if kind == "gaussian":
+        weight = rng.standard_normal((32, 1024)) * 0.02
+    elif kind == "student-t":  # heavy tails: a few weights 10-30 standard deviations out
+        weight = rng.standard_t(3, size=(32, 1024)) * 0.02
+    else:  # a real checkpoint's (bfloat16-trained, heavy-tailed, few distinct values per group)
+        weight = _real_weights(kind)[:32]
+    return np.ascontiguousarray(weight.astype(np.float16)).reshape(2, -1)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "student-t", "model.layers.2.mlp.down_proj.weight", "model.layers.10.self_attn.q_proj.weight"])
+def test_palettes_are_near_the_exact_optimum_at_every_bit_width(kind):
+    """Quantile-started Lloyd stopped at 16x the optimal squared error on the real down_proj at 8
+    bits (2.7x at 6, 161x on Student-t at 8); the grown palette stays near the optimum."""
+    groups = _weight_groups(kind)
+    for nbits, bound in ((2, 1.01), (4, 1.10), (6, 1.15), (8, 1.35)):
+        luts, labels = kmeans_1d(groups, nbits)
+        for row, lut, label in zip(groups, luts, labels):
+            error = float(((row.astype(np.float64) - lut.astype(np.float64)[label]) ** 2).sum())
+            assert error <= bound * _optimal_error(row, nbits), (kind, nbits, error / _optimal_error(row, nbits))
 
 
 def test_palettes_do_not_depend_on_what_they_are_batched_with(monkeypatch):

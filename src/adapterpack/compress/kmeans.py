@@ -4,8 +4,21 @@ One-dimensional k-means needs no pass over all values per iteration: with each g
 sorted once and their prefix sums kept, a Lloyd step finds the cluster boundaries by
 ``searchsorted`` of the centroid midpoints and the cluster sums by prefix-sum differences, so it
 costs O(k log n) per group instead of O(n k). All groups of a tensor run together, vectorized.
-Initialization is by quantiles (no randomness), so identical weights always give identical
-palettes: a requirement for deduplicating shared base weights across functions.
+
+Lloyd only finds a local optimum, and on trained weights the one it finds from evenly spaced
+quantiles is poor: a real checkpoint's weights are heavy-tailed and (stored in bfloat16) take
+few distinct values, so quantile starts pile up on repeated values in the bulk while the few
+large weights share a handful of centroids, and Lloyd cannot move centroids across the bulk to
+them. On SmolLM2-135M's ``layers.2.mlp.down_proj`` that left 16x the optimal squared error at 8
+bits (2.7x at 6). So the palette is grown instead (Linde-Buzo-Gray): one centroid, every cluster
+split in two (a 2-means of its own values), Lloyd, until 2**nbits; then a few rounds move a
+centroid from where it is worth least (the adjacent pair whose merge costs least) to where it is
+worth most (the cluster whose split gains most) while that lowers the error. Against the exact
+optimum (``kmeans1d``) on real, heavy-tailed and Gaussian weights: within 10% at 4 bits and 15%
+at 6, 30% at 8 (tests/test_palettize.py); on the real down_proj 1.6%, 6.6% and 9.0%. The
+4-bit k-means is faster than the quantile-started one was; 6 and 8 bits take about 1.3x and
+2.2x as long, for a quarter and a twentieth of its error. No randomness: identical weights always give identical
+palettes, a requirement for deduplicating shared base weights across functions.
 """
 
 from __future__ import annotations
@@ -13,7 +26,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-MAX_ITERATIONS = 256  # Lloyd from quantiles converges in ~250 steps on Gaussian-like weights
+MAX_ITERATIONS = 256  # Lloyd steps after the palette is grown; it usually stops far sooner
+GROWTH_STEPS = 8  # Lloyd steps after each doubling of the palette
+MOVE_ROUNDS = 8  # centroid moves (one per group per round), each followed by MOVE_STEPS of Lloyd
+MOVE_STEPS = 4
+SPLIT_STEPS = 4  # Lloyd steps of each cluster's own 2-means (where to split it)
 
 
 def batched_searchsorted(rows: torch.Tensor, queries: torch.Tensor, *, right: bool) -> torch.Tensor:
@@ -47,6 +64,105 @@ def _sort_rows(groups: np.ndarray, data: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.gather(data, 1, permutation), permutation
 
 
+class _SortedRows:
+    """Each group's values sorted, with prefix sums of the values and their squares: every
+    cluster statistic a step needs is a difference of two prefix entries."""
+
+    def __init__(self, ordered: torch.Tensor):
+        self.values = ordered.to(torch.float64)
+        n_groups, n = self.values.shape
+        self.sums = torch.zeros((n_groups, n + 1), dtype=torch.float64)
+        self.sums[:, 1:] = torch.cumsum(self.values, dim=1)
+        self.squares = torch.zeros((n_groups, n + 1), dtype=torch.float64)
+        self.squares[:, 1:] = torch.cumsum(self.values * self.values, dim=1)
+        self.starts = torch.zeros((n_groups, 1), dtype=torch.long)
+        self.ends = torch.full((n_groups, 1), n, dtype=torch.long)
+
+    def bounds(self, centroids: torch.Tensor) -> torch.Tensor:
+        """(G, k + 1) sorted positions where each centroid's cluster starts, and the end."""
+        midpoints = (centroids[:, 1:] + centroids[:, :-1]) / 2
+        return torch.cat((self.starts, batched_searchsorted(self.values, midpoints, right=False), self.ends), dim=1)
+
+    def clusters(self, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Count, sum and squared error of the values between consecutive ``bounds``."""
+        return self.between(bounds[:, :-1], bounds[:, 1:])
+
+    def between(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Count, sum and squared error of the sorted values from ``low`` to ``high`` (exclusive)."""
+        counts = (high - low).to(torch.float64)
+        sums = torch.gather(self.sums, 1, high) - torch.gather(self.sums, 1, low)
+        squares = torch.gather(self.squares, 1, high) - torch.gather(self.squares, 1, low)
+        return counts, sums, (squares - sums * sums / counts.clamp(min=1)).clamp(min=0)
+
+    def halves(self, bounds: torch.Tensor, means: torch.Tensor):
+        """Each cluster cut in two by a few Lloyd steps of its own, starting at its mean: the
+        halves' (counts, sums, errors), shaped (G, k, 2)."""
+        low, high = bounds[:, :-1], bounds[:, 1:]
+        n_groups, k = means.shape
+        split_at = means
+        for _ in range(SPLIT_STEPS + 1):
+            cut = torch.minimum(torch.maximum(batched_searchsorted(self.values, split_at, right=False), low), high)
+            counts, sums, errors = self.between(torch.stack((low, cut), dim=2).reshape(n_groups, -1), torch.stack((cut, high), dim=2).reshape(n_groups, -1))
+            halves = torch.where(counts > 0, sums / counts.clamp(min=1), means.repeat_interleave(2, dim=1)).reshape(n_groups, k, 2)
+            split_at = halves.mean(dim=2)
+        return counts.reshape(n_groups, k, 2), sums.reshape(n_groups, k, 2), errors.reshape(n_groups, k, 2)
+
+    def lloyd(self, centroids: torch.Tensor, steps: int) -> torch.Tensor:
+        for _ in range(steps):
+            counts, sums, _ = self.clusters(self.bounds(centroids))
+            updated = torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
+            # Keep centroids sorted (empty clusters keep their old place, which may break the order).
+            updated, _ = torch.sort(updated, dim=1)
+            if torch.equal(updated, centroids):
+                break
+            centroids = updated
+        return centroids
+
+    def grown(self, k: int) -> torch.Tensor:
+        """k centroids by doubling from the mean: every cluster replaced by its halves' means."""
+        centroids = self.sums[:, -1:] / self.values.shape[1]
+        while centroids.shape[1] < k:
+            bounds = self.bounds(centroids)
+            counts, sums, _ = self.clusters(bounds)
+            means = torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
+            half_counts, half_sums, _ = self.halves(bounds, means)
+            split = torch.where(half_counts > 0, half_sums / half_counts.clamp(min=1), means[:, :, None])
+            centroids = self.lloyd(torch.sort(split.reshape(len(means), -1), dim=1)[0], GROWTH_STEPS)
+        return centroids
+
+    def moved(self, centroids: torch.Tensor) -> torch.Tensor:
+        """Move centroids, one per group per round, from the cheapest merge to the best split."""
+        n_groups, k = centroids.shape
+        rows = torch.arange(n_groups)
+        pairs = torch.arange(k - 1)[None]
+        for _ in range(MOVE_ROUNDS):
+            bounds = self.bounds(centroids)
+            counts, sums, errors = self.clusters(bounds)
+            means = torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
+            half_counts, half_sums, half_errors = self.halves(bounds, means)
+            gain = errors - half_errors.sum(dim=2)
+            split = gain.argmax(dim=1)
+            # Merging adjacent clusters a, b costs n_a n_b / (n_a + n_b) (mean_a - mean_b)^2 (an
+            # empty one: nothing); the pair must not include the cluster being split.
+            n_a, n_b = counts[:, :-1], counts[:, 1:]
+            cost = n_a * n_b / (n_a + n_b).clamp(min=1) * (means[:, 1:] - means[:, :-1]) ** 2
+            cost = torch.where((pairs == split[:, None]) | (pairs + 1 == split[:, None]), torch.inf, cost)
+            merge = cost.argmin(dim=1)
+            better = gain[rows, split] > cost[rows, merge] * (1 + 1e-9)
+            if not bool(better.any()):
+                break
+            together = counts[rows, merge] + counts[rows, merge + 1]
+            moved = centroids.clone()
+            moved[rows, merge] = torch.where(
+                together > 0, (sums[rows, merge] + sums[rows, merge + 1]) / together.clamp(min=1), centroids[rows, merge]
+            )
+            halves = torch.where(half_counts > 0, half_sums / half_counts.clamp(min=1), means[:, :, None])[rows, split]
+            moved[rows, merge + 1], moved[rows, split] = halves[:, 0], halves[:, 1]
+            moved = torch.where(better[:, None], moved, centroids)
+            centroids = self.lloyd(torch.sort(moved, dim=1)[0], MOVE_STEPS)
+        return centroids
+
+
 def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) -> tuple[np.ndarray, np.ndarray]:
     """Palettize each row of ``groups`` (G, n): returns ``lut`` (G, 2**nbits) and ``indices`` (G, n) uint8.
 
@@ -56,28 +172,8 @@ def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) 
     n_groups, n = data.shape
     k = 1 << nbits
     ordered, permutation = _sort_rows(groups, data)
-    ordered64 = ordered.to(torch.float64)
-    prefix = torch.zeros((n_groups, n + 1), dtype=torch.float64)
-    prefix[:, 1:] = torch.cumsum(ordered64, dim=1)
-
-    # Quantile initialisation: the centre of each of k equal-count slices of the sorted values.
-    positions = ((torch.arange(k, dtype=torch.float64) + 0.5) * n / k).floor().clamp(max=n - 1).long()
-    centroids = ordered64[:, positions]
-
-    starts = torch.zeros((n_groups, 1), dtype=torch.long)
-    ends = torch.full((n_groups, 1), n, dtype=torch.long)
-    for _ in range(iterations):
-        midpoints = (centroids[:, 1:] + centroids[:, :-1]) / 2
-        cuts = batched_searchsorted(ordered64, midpoints, right=False)
-        bounds = torch.cat((starts, cuts, ends), dim=1)
-        counts = bounds[:, 1:] - bounds[:, :-1]
-        sums = torch.gather(prefix, 1, bounds[:, 1:]) - torch.gather(prefix, 1, bounds[:, :-1])
-        updated = torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
-        # Keep centroids sorted (empty clusters keep their old place, which may break the order).
-        updated, _ = torch.sort(updated, dim=1)
-        if torch.equal(updated, centroids):
-            break
-        centroids = updated
+    rows = _SortedRows(ordered)
+    centroids = rows.moved(rows.lloyd(rows.grown(k), iterations))
 
     lut = centroids.to(torch.float32)
     # Assign in sorted order (the label steps up at each cut), then scatter back to the original

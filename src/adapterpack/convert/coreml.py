@@ -27,14 +27,16 @@ def deployment_target(name: str):
 
 
 def norm_islands(block) -> set[str]:
-    """Names of the float32 ops around each ``rsqrt``: the inside of every RMS norm.
+    """Names of the float32 ops connected to an ``rsqrt``: every RMS norm and the residual stream.
 
-    The decoder is traced from a float16 model and ``export_decoder.rms_norm`` upcasts inside,
-    as transformers' RMSNorm does, so each norm is a float32 region from the cast of its
-    float16 input to the cast of its output, with the norm's one ``rsqrt`` in the middle (no
-    other op of the decoder uses it). Walking float32 values back and forth from that ``rsqrt``
-    finds the region without depending on op names; other float32 values of the trace (peft's
-    LoRA matrices, the rope tables, the attention bias) are not connected to it.
+    The decoder is traced from a float16 model; ``export_decoder`` carries the residual stream in
+    float32 and ``rms_norm`` computes inside in float32, as transformers' RMSNorm does, so the
+    norms and the residual adds between them form one float32 region, entered by the casts of
+    each sublayer's float16 output and left by the cast of each norm's output, with the norms'
+    ``rsqrt`` ops in it (no other op of the decoder uses one). Walking float32 values back and
+    forth from those ``rsqrt`` ops finds the region without depending on op names; other float32
+    values of the trace (peft's LoRA matrices, the rope tables, the attention bias) are not
+    connected to it.
     """
     from coremltools.converters.mil.mil import types
 
@@ -59,15 +61,17 @@ def norm_islands(block) -> set[str]:
 
 
 def compute_precision(ct):
-    """float16 everywhere except the inside of every RMS norm, which stays float32.
+    """float16 everywhere except the RMS norms and the residual stream, which stay float32.
 
-    coremltools' plain FLOAT16 precision also narrows the norms' float32 upcast. On a real
-    checkpoint that costs accuracy at the attention-sink tokens, whose residual reaches
-    thousands and whose last layers cancel most of it again: SmolLM2-135M's fused ``shout``,
-    position 1, cosine 0.9949 all-float16 against 0.9995 with float32 norms (mean over
-    positions 0.99973 -> 0.99997). The norm's form (``export_decoder.rms_norm``) is exact in
-    float16 as well, so a backend that narrows it (the Neural Engine has no float32) still
-    cannot overflow. Each norm adds about a dozen small float32 ops on one row per token.
+    coremltools' plain FLOAT16 precision also narrows the norms' float32 upcast and the float32
+    residual. On a real checkpoint that costs accuracy at the attention-sink tokens, whose
+    residual reaches thousands and whose last layers cancel most of it again: SmolLM2-135M's
+    fused ``shout``, position 1, cosine 0.9949 all-float16 against 0.9995 with float32 norms
+    (mean over positions 0.99973 -> 0.99997), and a float32 residual brings the largest logit
+    error from 0.41 to 0.09. The norm's form (``export_decoder.rms_norm``) is exact in float16
+    as well, so a backend that narrows it (the Neural Engine has no float32) still cannot
+    overflow. Each norm adds about a dozen small float32 ops, each sublayer a cast and an add,
+    all on one row per token.
     """
     islands: dict[int, set[str]] = {}
 

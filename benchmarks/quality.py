@@ -1,0 +1,184 @@
+"""What each compression does to a real checkpoint's functions, on text: side by side, one run.
+
+Per function of the manifest (the base, and each adapter fused into it as ``lora: fuse`` does)
+and per compression, the function's weights are compressed as a build compresses them (the
+project's one rule picks the weights, ``keep_float16`` and sizes included; the compressed forms
+are the Core AI writer's, whose palettes are the ``.mlpackage``'s) and computed in float32 torch,
+so that what is measured is the compression alone, not float16 arithmetic (verify measures that).
+Against the same function in float32: perplexity ratio on the text, top-1 agreement, and for an
+adapter its retention (the cosine between the compressed function's change from the float32
+base and the adapter's own change, over every scored position and logit). Bytes: what the
+function's weights take in the package (float16 where left uncompressed).
+
+    .venv/bin/python scripts/smollm2.py       # the checkpoint, once
+    .venv/bin/python benchmarks/quality.py [--manifest manifests/smollm2.yaml] [--text adapters/demo/heldout.txt]
+        [--function base ...] [--compression palettize-4 ...] [--window 256] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+KEEP_FLOAT16 = ["embed_tokens", "lm_head"]  # as the shipped manifests keep them
+COMPRESSIONS = {
+    "float16": {"method": "none"},
+    "palettize-8": {"method": "palettize", "nbits": 8, "granularity": "per_grouped_channel", "group_size": 16},
+    "palettize-6": {"method": "palettize", "nbits": 6, "granularity": "per_grouped_channel", "group_size": 16},
+    "palettize-4": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
+    "palettize-4-group1": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 1},
+    "linear-8": {"method": "linear", "nbits": 8, "granularity": "per_channel"},
+    "linear-4-block32": {"method": "linear", "nbits": 4, "granularity": "per_block", "block_size": 32},
+}
+
+
+def fused(base, checked, function: str):
+    """The function in float32: ``base`` with the adapter merged into its weights (fuse); the
+    base itself for the base function. Restored on exit."""
+    import contextlib
+
+    from adapterpack.convert.lora import applied_adapter
+
+    adapter = checked.manifest.adapter(function)
+    if adapter is None:
+        return contextlib.nullcontext(base)
+    return applied_adapter(base, checked.adapters[function].folder, mode="fuse", scale=float(adapter.scale))
+
+
+def compressed_weights(model, compression) -> tuple[dict, int]:
+    """Module name -> dense float32 weight as the package stores it (compressed ones only), and
+    the bytes all the function's linear and embedding weights take."""
+    import torch
+    from torch import nn
+
+    from adapterpack.compress.coreai_weights import CoreAIWeights
+    from adapterpack.config.compression import compressed_bytes, weight_setting
+
+    total = 0
+    for name, module in model.named_modules():
+        if type(module) in (nn.Linear, nn.Embedding) and not (name == "lm_head" and model.config.tie_word_embeddings):
+            shape = tuple(module.weight.shape)
+            total += compressed_bytes(shape, weight_setting(name, shape, compression))
+    if compression.method == "none":
+        return {}, total
+    with torch.no_grad():
+        dense = {name: module.weight_source().float() for name, module in CoreAIWeights().replacements(model, compression).items()}
+    return dense, total
+
+
+def scored_logits(model, ids: list[int], window: int):
+    """(logits, targets) of every scored position: the windows ``eval`` uses."""
+    import torch
+
+    from adapterpack.evaluate.perplexity import windows
+
+    logits, targets = [], []
+    with torch.no_grad():
+        for start, end, first in windows(len(ids), window):
+            out = model(torch.tensor([ids[start:end]])).logits[0].float()
+            logits.append(out[first - start - 1 : end - start - 1])
+            targets.append(torch.tensor(ids[first:end]))
+    return torch.cat(logits), torch.cat(targets)
+
+
+def figures(got, reference, base, targets) -> dict[str, float]:
+    import torch
+
+    def perplexity(logits) -> float:
+        return math.exp(float(torch.nn.functional.cross_entropy(logits.double(), targets)))
+
+    found = {
+        "perplexity": perplexity(got),
+        "reference_perplexity": perplexity(reference),
+        "top1": float((got.argmax(-1) == reference.argmax(-1)).double().mean()),
+    }
+    found["ratio"] = found["perplexity"] / found["reference_perplexity"]
+    if base is not None:
+        change, effect = (got - base).double().ravel(), (reference - base).double().ravel()
+        found["retention"] = float(change @ effect / max(float(change.norm() * effect.norm()), 1e-30))
+    return found
+
+
+def compared(model, compression, ids: list[int], window: int, reference, base_logits, targets) -> dict:
+    """``model`` with its weights compressed by ``compression``, against ``reference``; the
+    model's weights are restored after."""
+    import torch
+
+    began = time.perf_counter()
+    dense, size = compressed_weights(model, compression)
+    originals = {name: p.detach().clone() for name, p in model.named_parameters()}
+    try:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                module = name.removesuffix(".weight")
+                # what the package leaves uncompressed, it stores in float16
+                p.copy_(dense[module] if module in dense and name.endswith(".weight") else p.half().float())
+        got, _ = scored_logits(model, ids, window)
+    finally:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(originals[name])
+    return figures(got, reference, base_logits, targets) | {"bytes": size, "seconds": round(time.perf_counter() - began, 1)}
+
+
+def run(manifest: Path, text: Path, functions: list[str] | None, compressions: list[str], window: int) -> dict:
+    from adapterpack.config.manifest import Compression
+    from adapterpack.convert.base_model import load_base
+    from adapterpack.evaluate.text import load_tokenizer
+    from adapterpack.inputs.checked import check_inputs
+
+    checked = check_inputs(manifest)
+    ids = load_tokenizer(checked.base.folder)(text.read_text(encoding="utf-8"))["input_ids"]
+    names = functions or list(checked.manifest.function_names)
+    results: dict = {"manifest": str(manifest), "text": str(text), "tokens": len(ids), "window": window, "functions": {}}
+    base = load_base(checked.base.folder, dtype="float32").eval()
+    base_logits, targets = scored_logits(base, ids, window)
+    for function in names:
+        adapter = checked.manifest.adapter(function) is not None
+        with fused(base, checked, function) as model:
+            reference = scored_logits(model, ids, window)[0] if adapter else base_logits
+            rows = {}
+            for label in compressions:
+                compression = Compression(**COMPRESSIONS[label], keep_float16=KEEP_FLOAT16)
+                rows[label] = compared(model, compression, ids, window, reference, base_logits if adapter else None, targets)
+                print(f"{function} {label}: {rows[label]}", file=sys.stderr, flush=True)
+        results["functions"][function] = rows
+    return results
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| function | compression | weight bytes | perplexity ratio | top-1 | retention |",
+        "|---|---|---|---|---|---|",
+    ]
+    for function, rows in results["functions"].items():
+        for label, f in rows.items():
+            retention = f"{f['retention']:.3f}" if "retention" in f else ""
+            lines.append(
+                f"| {function} | {label} | {f['bytes']:,} | {f['ratio']:.3f} | {100 * f['top1']:.1f}% | {retention} |"
+            )
+    return "\n".join(lines) + f"\n\n{results['tokens']} tokens of {results['text']}, windows of {results['window']}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--manifest", type=Path, default=REPO / "manifests" / "smollm2.yaml")
+    parser.add_argument("--text", type=Path, default=REPO / "adapters" / "demo" / "heldout.txt")
+    parser.add_argument("--function", action="append", dest="functions")
+    parser.add_argument("--compression", action="append", dest="compressions", choices=list(COMPRESSIONS))
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    results = run(args.manifest, args.text, args.functions, args.compressions or list(COMPRESSIONS), args.window)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
