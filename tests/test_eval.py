@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from adapterpack.evaluate.perplexity import evaluate, windows
@@ -47,6 +48,38 @@ def test_reference_perplexity_is_the_models_own_loss(family_build, tmp_path):
             loss = float(model(ids, labels=ids).loss)
         assert row.reference_perplexity == pytest.approx(math.exp(loss), rel=1e-5)
         assert row.ratio == pytest.approx(1.0, abs=0.01) and row.top1_agreement >= 0.9, row
+    rows = {row.function: row for row in report.functions}
+    assert rows["base"].retention is None  # the base has no adapter whose effect could be lost
+    assert rows["rs"].retention > 0.99, rows["rs"]  # a float16 package keeps all of it
+
+
+def test_retention_on_the_text_is_verify_retention_over_the_scored_positions():
+    """Window by window, eval keeps sums instead of logits; the figure must be verify's
+    retention of all scored rows at once, and follow what the package computes."""
+    from adapterpack.evaluate.perplexity import _Scores
+    from adapterpack.verify.metrics import retention
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 50, 40)
+    spans = windows(len(ids), 16)
+    base = {span: rng.standard_normal((span[1] - span[0], 50)) for span in spans}
+    effect = {span: rng.standard_normal(base[span].shape) for span in spans}
+    reference = {span: base[span] + effect[span] for span in spans}
+
+    def measured(package) -> float:
+        scores = _Scores()
+        for span in spans:
+            scores.add(package[span], reference[span], base[span], ids, span)
+        return scores.function_eval("f").retention
+
+    def scored(logits) -> np.ndarray:
+        return np.concatenate([logits[s][s[2] - s[0] - 1 : s[1] - s[0] - 1] for s in spans])
+
+    noisy = {span: reference[span] + 0.7 * rng.standard_normal(base[span].shape) for span in spans}
+    for package, expected in ((reference, 1.0), (base, 0.0), (noisy, None)):
+        expected = retention(scored(package), scored(reference), scored(base))[0] if expected is None else expected
+        assert measured(package) == pytest.approx(expected, abs=1e-9)
+    assert 0.5 < measured(noisy) < 0.95  # noise uncorrelated with the effect lowers it
 
 
 def _write_tokenizer(folder: Path) -> None:
@@ -68,6 +101,7 @@ def test_demo_zen_knows_the_zen_and_the_base_does_not(demo, tmp_path):
     assert rows["zen"]["perplexity"] < 0.5 * rows["base"]["perplexity"], rows
     for row in rows.values():
         assert 0.8 < row["ratio"] < 1.25 and row["top1_agreement"] > 0.6, row
+    assert rows["base"]["retention"] is None and 0.5 < rows["zen"]["retention"] <= 1.0, rows
     assert report["window"] == 128 and report["stride"] == 64
 
 

@@ -171,13 +171,14 @@ def eval_table(report) -> Table:
         f"every {report.stride} ({report.backend} backend)",
         title_justify="left",
     )
-    for column in ("function", "perplexity", "reference", "ratio", "top-1 agreement"):
+    for column in ("function", "perplexity", "reference", "ratio", "top-1 agreement", "retention"):
         table.add_column(column, justify="left" if column == "function" else "right")
     for f in report.functions:
         missing = f.reference_perplexity is None
         table.add_row(
             f.function, f"{f.perplexity:.3f}", "-" if missing else f"{f.reference_perplexity:.3f}",
             "-" if missing else f"{f.ratio:.3f}", "-" if missing else f"{f.top1_agreement:.1%}",
+            "-" if f.retention is None else f"{f.retention:.3f}",
         )
     return table
 

@@ -1,6 +1,7 @@
 """What compression costs on the user's own text: per function, the perplexity of the package and
-of its PyTorch reference (peft, unmerged, float32) on the same tokens, their ratio, and how often
-the two agree on the most likely next token.
+of its PyTorch reference (peft, unmerged, float32) on the same tokens, their ratio, how often
+the two agree on the most likely next token, and for an adapter how much of what it changes on
+that text survived (retention: as verify's, over every scored position and logit).
 
 Sliding windows: the text's tokens are cut into windows of ``max_context - 1`` tokens (what one
 call of the Swift client can hold; ``--window`` for fewer), each starting half a window after the previous one; a
@@ -12,6 +13,7 @@ reference sees the same windows.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +31,9 @@ class FunctionEval:
     perplexity: float  # the package's
     reference_perplexity: float | None  # None without a manifest to make the reference from
     top1_agreement: float | None  # share of scored tokens whose most likely next token is the same
+    # Adapters, with a manifest: cosine between the package's change from the float32 base and the
+    # adapter's own change (its reference minus the base), over every scored position and logit.
+    retention: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -76,6 +81,71 @@ def _scores(logits: np.ndarray, ids: np.ndarray, start: int, first: int, end: in
     return -log_probs[np.arange(len(targets)), targets], rows.argmax(axis=1)
 
 
+def _reference_logits(model, window: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The reference's logits of ``window``, and the base's (None for the base function): the
+    same peft model with its LoRA layers switched off, so the base is not loaded twice."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    def logits() -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.from_numpy(window)).logits[0].float().numpy()
+
+    reference = logits()
+    lora_layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if not lora_layers:
+        return reference, None
+    for layer in lora_layers:
+        layer.enable_adapters(False)
+    try:
+        return reference, logits()
+    finally:
+        for layer in lora_layers:
+            layer.enable_adapters(True)
+
+
+class _Scores:
+    """Per-token scores of the package (and of its reference), added window by window; the
+    retention sums are kept instead of the windows' logits, which for a long text and a large
+    vocabulary would not fit."""
+
+    def __init__(self):
+        self.nlls, self.reference_nlls, self.agreements = [], [], []
+        self.change_dot_effect = self.change_squared = self.effect_squared = 0.0
+
+    @property
+    def nll(self) -> np.ndarray:
+        return np.concatenate(self.nlls)
+
+    def add(self, got, reference, base, ids: np.ndarray, span: tuple[int, int, int]) -> None:
+        start, end, first = span
+        nll, top = _scores(got, ids, start, first, end)
+        self.nlls.append(nll)
+        if reference is None:
+            return
+        reference_nll, reference_top = _scores(reference, ids, start, first, end)
+        self.reference_nlls.append(reference_nll)
+        self.agreements.append(top == reference_top)
+        if base is not None:
+            rows = slice(first - start - 1, end - start - 1)
+            change = (np.asarray(got, np.float64) - base)[rows]
+            effect = (np.asarray(reference, np.float64) - base)[rows]
+            self.change_dot_effect += float((change * effect).sum())
+            self.change_squared += float((change * change).sum())
+            self.effect_squared += float((effect * effect).sum())
+
+    def function_eval(self, name: str) -> FunctionEval:
+        if not self.reference_nlls:
+            return FunctionEval(name, math.exp(self.nll.mean()), None, None)
+        retention = None
+        if self.effect_squared > 0:
+            retention = self.change_dot_effect / max(math.sqrt(self.change_squared * self.effect_squared), 1e-30)
+        return FunctionEval(
+            name, math.exp(self.nll.mean()), math.exp(np.concatenate(self.reference_nlls).mean()),
+            float(np.mean(np.concatenate(self.agreements))), retention,
+        )
+
+
 def evaluate(
     package,
     text_file: Path,
@@ -111,32 +181,18 @@ def evaluate(
     )
     sessions = function_sessions(Path(package), backend)
     total, done = (2 if checked is not None else 1) * len(spans) * len(names), 0
-    import torch
-
-    def scored(forward) -> tuple[np.ndarray, np.ndarray]:
-        """(negative log-likelihoods, most likely tokens) of every scored token, window by window."""
-        nonlocal done
-        nll, top = [], []
-        for start, end, first in spans:
-            window_nll, window_top = _scores(forward(ids[None, start:end]), ids, start, first, end)
-            nll.append(window_nll)
-            top.append(window_top)
-            done += 1
-            if progress is not None:
-                progress(done, total)
-        return np.concatenate(nll), np.concatenate(top)
 
     for name in names:
         new_session = sessions(name)
-        # each window one prefill call on a fresh state, with the Swift client's mask
-        ours, ours_top = scored(
-            lambda window, new_session=new_session: new_session()(window.astype(np.int32), swift_mask(0, window.shape[1]))[0]
-        )
-        if checked is None:
-            report.functions.append(FunctionEval(name, math.exp(ours.mean()), None, None))
-            continue
-        with reference_model(checked, name) as model:
-            reference, reference_top = scored(lambda window: model(torch.from_numpy(window)).logits[0].float().numpy())
-        agreement = float(np.mean(ours_top == reference_top))
-        report.functions.append(FunctionEval(name, math.exp(ours.mean()), math.exp(reference.mean()), agreement))
+        with reference_model(checked, name) if checked is not None else contextlib.nullcontext() as model:
+            scores = _Scores()
+            for span in spans:
+                tokens = ids[None, span[0] : span[1]]
+                # each window one prefill call on a fresh state, with the Swift client's mask
+                got = new_session()(tokens.astype(np.int32), swift_mask(0, tokens.shape[1]))[0]
+                scores.add(got, *(_reference_logits(model, tokens) if model is not None else (None, None)), ids, span)
+                done += 1 if model is None else 2
+                if progress is not None:
+                    progress(done, total)
+        report.functions.append(scores.function_eval(name))
     return report
