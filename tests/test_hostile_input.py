@@ -577,3 +577,26 @@ def test_a_fifo_named_as_the_eval_text_is_refused_not_waited_on(demo_project, tm
     root = tmp_path / "p"
     result = invoke_cli(*_commands(root, root / PACKAGE, root / PACKAGE)["eval"])
     assert result.returncode == 2 and "text.txt" in result.stderr and "not a regular file" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("field", ["arrow_config", "target_parameters", "task_type"])
+@pytest.mark.parametrize("command", ["build", "verify"])
+def test_an_adapter_config_field_peft_refuses_is_bad_input_naming_the_file(demo_project, tmp_path, monkeypatch, command, field):
+    """Once an internal error found by the generated suite: a field the input checks do not look
+    at (a nested config such as ``arrow_config``, ``target_parameters``, ``task_type``) with a
+    value peft refuses when it builds its config (TypeError, ValueError) crashed verify with exit 1.
+    It is bad input: exit 2, one line naming adapter_config.json, the package untouched."""
+    import json
+
+    from factories import invoke_cli
+
+    monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
+    root = tmp_path / "p"
+    shutil.copytree(demo_project, root, symlinks=True)
+    config = root / "zen" / "adapter_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {field: "text"}))
+    before = _files(root)
+    result = invoke_cli(*_commands(root, root / PACKAGE, root / PACKAGE)[command])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "adapter_config.json" in errors[0], result.stderr
+    assert _files(root) == before

@@ -67,13 +67,27 @@ def _scale(layers, scale: float) -> None:
             layer.scale_layer(scale)
 
 
+def peft_config(adapter_folder: Path):
+    """peft's own reading of the folder's adapter_config.json. The input checks look at the
+    fields the shape checks rely on; peft checks the rest when it builds its config (a nested
+    config such as ``arrow_config`` of the wrong type is a TypeError there), and any refusal of
+    the file is bad input, named, not an internal error."""
+    from peft import PeftConfig
+
+    try:
+        return PeftConfig.from_pretrained(str(adapter_folder))
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        raise BadInput(f"{adapter_folder / 'adapter_config.json'}: peft refuses this adapter config: {error}") from None
+
+
 def _with_adapter(base: torch.nn.Module, adapter_folder: Path, scale: float):
     """(peft model, its LoRA layers) for ``base`` with the adapter loaded and scaled."""
     from peft import PeftModel
 
+    config = peft_config(adapter_folder)
     try:
         peft_model = PeftModel.from_pretrained(
-            base, str(adapter_folder), adapter_name=ADAPTER_NAME, is_trainable=False
+            base, str(adapter_folder), adapter_name=ADAPTER_NAME, is_trainable=False, config=config
         )
     except (ValueError, KeyError, RuntimeError) as error:
         raise BadInput(f"{adapter_folder}: peft cannot apply this adapter to the base: {error}") from None
@@ -153,7 +167,7 @@ def fused_weight_changes(
     more than the modules its LoRA weights target (``modules_to_save`` replaces whole modules);
     callers then apply it to the loaded base.
     """
-    from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from peft import inject_adapter_in_model, set_peft_model_state_dict
     from peft.utils import load_peft_weights
     from safetensors import safe_open
 
@@ -187,8 +201,8 @@ def fused_weight_changes(
         parent.add_module(leaf, module)
         originals.update({f"{target}.{name}": value.to(dtype) for name, value in stored.items()})
 
+    config = peft_config(adapter_info.folder)
     try:
-        config = PeftConfig.from_pretrained(str(adapter_info.folder))
         inject_adapter_in_model(config, root, adapter_name=ADAPTER_NAME)
         state = {key.removeprefix("base_model.model."): value for key, value in load_peft_weights(str(adapter_info.folder)).items()}
         loaded = set_peft_model_state_dict(root, state, adapter_name=ADAPTER_NAME)
