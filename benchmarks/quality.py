@@ -99,8 +99,9 @@ def figures(got, reference, base, targets) -> dict[str, float]:
     }
     found["ratio"] = found["perplexity"] / found["reference_perplexity"]
     if base is not None:
-        change, effect = (got - base).double().ravel(), (reference - base).double().ravel()
-        found["retention"] = float(change @ effect / max(float(change.norm() * effect.norm()), 1e-30))
+        from adapterpack.verify.metrics import retention
+
+        found["retention"] = retention(got.numpy(), reference.numpy(), base.numpy())[0]
     return found
 
 

@@ -15,10 +15,9 @@ split in two (a 2-means of its own values), Lloyd, until 2**nbits; then a few ro
 centroid from where it is worth least (the adjacent pair whose merge costs least) to where it is
 worth most (the cluster whose split gains most) while that lowers the error. Against the exact
 optimum (``kmeans1d``) on real, heavy-tailed and Gaussian weights: within 10% at 4 bits and 15%
-at 6, 30% at 8 (tests/test_palettize.py); on the real down_proj 1.6%, 6.6% and 9.0%. The
-4-bit k-means is faster than the quantile-started one was; 6 and 8 bits take about 1.3x and
-2.2x as long, for a quarter and a twentieth of its error. No randomness: identical weights always give identical
-palettes, a requirement for deduplicating shared base weights across functions.
+at 6, 30% at 8 (tests/test_palettize.py); on the real down_proj 1.6%, 6.6% and 9.0%. No
+randomness: identical weights always give identical palettes, a requirement for deduplicating
+shared base weights across functions.
 """
 
 from __future__ import annotations
@@ -64,6 +63,11 @@ def _sort_rows(groups: np.ndarray, data: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.gather(data, 1, permutation), permutation
 
 
+def _means(counts: torch.Tensor, sums: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """Each cluster's mean; ``empty`` (broadcast) where a cluster holds no value."""
+    return torch.where(counts > 0, sums / counts.clamp(min=1), empty)
+
+
 class _SortedRows:
     """Each group's values sorted, with prefix sums of the values and their squares: every
     cluster statistic a step needs is a difference of two prefix entries."""
@@ -103,14 +107,14 @@ class _SortedRows:
         for _ in range(SPLIT_STEPS + 1):
             cut = torch.minimum(torch.maximum(batched_searchsorted(self.values, split_at, right=False), low), high)
             counts, sums, errors = self.between(torch.stack((low, cut), dim=2).reshape(n_groups, -1), torch.stack((cut, high), dim=2).reshape(n_groups, -1))
-            halves = torch.where(counts > 0, sums / counts.clamp(min=1), means.repeat_interleave(2, dim=1)).reshape(n_groups, k, 2)
+            halves = _means(counts, sums, means.repeat_interleave(2, dim=1)).reshape(n_groups, k, 2)
             split_at = halves.mean(dim=2)
         return counts.reshape(n_groups, k, 2), sums.reshape(n_groups, k, 2), errors.reshape(n_groups, k, 2)
 
     def lloyd(self, centroids: torch.Tensor, steps: int) -> torch.Tensor:
         for _ in range(steps):
             counts, sums, _ = self.clusters(self.bounds(centroids))
-            updated = torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
+            updated = _means(counts, sums, centroids)
             # Keep centroids sorted (empty clusters keep their old place, which may break the order).
             updated, _ = torch.sort(updated, dim=1)
             if torch.equal(updated, centroids):
@@ -124,9 +128,9 @@ class _SortedRows:
         while centroids.shape[1] < k:
             bounds = self.bounds(centroids)
             counts, sums, _ = self.clusters(bounds)
-            means = torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
+            means = _means(counts, sums, centroids)
             half_counts, half_sums, _ = self.halves(bounds, means)
-            split = torch.where(half_counts > 0, half_sums / half_counts.clamp(min=1), means[:, :, None])
+            split = _means(half_counts, half_sums, means[:, :, None])
             centroids = self.lloyd(torch.sort(split.reshape(len(means), -1), dim=1)[0], GROWTH_STEPS)
         return centroids
 
@@ -138,7 +142,7 @@ class _SortedRows:
         for _ in range(MOVE_ROUNDS):
             bounds = self.bounds(centroids)
             counts, sums, errors = self.clusters(bounds)
-            means = torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
+            means = _means(counts, sums, centroids)
             half_counts, half_sums, half_errors = self.halves(bounds, means)
             gain = errors - half_errors.sum(dim=2)
             split = gain.argmax(dim=1)
@@ -153,10 +157,8 @@ class _SortedRows:
                 break
             together = counts[rows, merge] + counts[rows, merge + 1]
             moved = centroids.clone()
-            moved[rows, merge] = torch.where(
-                together > 0, (sums[rows, merge] + sums[rows, merge + 1]) / together.clamp(min=1), centroids[rows, merge]
-            )
-            halves = torch.where(half_counts > 0, half_sums / half_counts.clamp(min=1), means[:, :, None])[rows, split]
+            moved[rows, merge] = _means(together, sums[rows, merge] + sums[rows, merge + 1], centroids[rows, merge])
+            halves = _means(half_counts, half_sums, means[:, :, None])[rows, split]
             moved[rows, merge + 1], moved[rows, split] = halves[:, 0], halves[:, 1]
             moved = torch.where(better[:, None], moved, centroids)
             centroids = self.lloyd(torch.sort(moved, dim=1)[0], MOVE_STEPS)

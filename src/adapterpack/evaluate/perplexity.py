@@ -23,6 +23,7 @@ import numpy as np
 
 from adapterpack.errors import BadInput
 from adapterpack.verify.drives import swift_mask
+from adapterpack.verify.metrics import retention_of_sums
 
 
 @dataclass
@@ -81,18 +82,23 @@ def _scores(logits: np.ndarray, ids: np.ndarray, start: int, first: int, end: in
     return -log_probs[np.arange(len(targets)), targets], rows.argmax(axis=1)
 
 
-def _reference_logits(model, window: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """The reference's logits of ``window``, and the base's (None for the base function): the
+def _lora_layers(model) -> list:
+    """peft's LoRA layers in a reference model (none for the base function)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def _reference_logits(model, lora_layers: list, window: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The reference's logits of ``window``, and the base's (None without ``lora_layers``): the
     same peft model with its LoRA layers switched off, so the base is not loaded twice."""
     import torch
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
     def logits() -> np.ndarray:
         with torch.no_grad():
             return model(torch.from_numpy(window)).logits[0].float().numpy()
 
     reference = logits()
-    lora_layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     if not lora_layers:
         return reference, None
     for layer in lora_layers:
@@ -112,6 +118,7 @@ class _Scores:
     def __init__(self):
         self.nlls, self.reference_nlls, self.agreements = [], [], []
         self.change_dot_effect = self.change_squared = self.effect_squared = 0.0
+        self.adapter = False  # a base was given: the function is an adapter's
 
     @property
     def nll(self) -> np.ndarray:
@@ -127,6 +134,7 @@ class _Scores:
         self.reference_nlls.append(reference_nll)
         self.agreements.append(top == reference_top)
         if base is not None:
+            self.adapter = True
             rows = slice(first - start - 1, end - start - 1)
             change = (np.asarray(got, np.float64) - base)[rows]
             effect = (np.asarray(reference, np.float64) - base)[rows]
@@ -138,8 +146,8 @@ class _Scores:
         if not self.reference_nlls:
             return FunctionEval(name, math.exp(self.nll.mean()), None, None)
         retention = None
-        if self.effect_squared > 0:
-            retention = self.change_dot_effect / max(math.sqrt(self.change_squared * self.effect_squared), 1e-30)
+        if self.adapter:
+            retention = retention_of_sums(self.change_dot_effect, self.change_squared, self.effect_squared)
         return FunctionEval(
             name, math.exp(self.nll.mean()), math.exp(np.concatenate(self.reference_nlls).mean()),
             float(np.mean(np.concatenate(self.agreements))), retention,
@@ -186,11 +194,12 @@ def evaluate(
         new_session = sessions(name)
         with reference_model(checked, name) if checked is not None else contextlib.nullcontext() as model:
             scores = _Scores()
+            lora_layers = _lora_layers(model) if model is not None else []
             for span in spans:
                 tokens = ids[None, span[0] : span[1]]
                 # each window one prefill call on a fresh state, with the Swift client's mask
                 got = new_session()(tokens.astype(np.int32), swift_mask(0, tokens.shape[1]))[0]
-                scores.add(got, *(_reference_logits(model, tokens) if model is not None else (None, None)), ids, span)
+                scores.add(got, *(_reference_logits(model, lora_layers, tokens) if model is not None else (None, None)), ids, span)
                 done += 1 if model is None else 2
                 if progress is not None:
                     progress(done, total)

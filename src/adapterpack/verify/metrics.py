@@ -5,6 +5,7 @@ ties counted as agreement), KL, and how much of the adapter's effect survived (r
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -71,9 +72,14 @@ def retention(got: np.ndarray, adapter_ref: np.ndarray, base_ref: np.ndarray) ->
     delta_got = (got - base_ref).astype(np.float64).ravel()
     ref_norm = float(np.linalg.norm(delta_ref))
     effect = ref_norm / max(float(np.linalg.norm(base_ref.astype(np.float64))), 1e-30)
-    if ref_norm == 0.0:  # an adapter with no effect has nothing to lose
-        return 1.0, 0.0
-    got_norm = float(np.linalg.norm(delta_got))
-    if got_norm == 0.0:
-        return 0.0, effect
-    return float(delta_got @ delta_ref / (got_norm * ref_norm)), effect
+    return retention_of_sums(float(delta_got @ delta_ref), float(delta_got @ delta_got), ref_norm * ref_norm), effect
+
+
+def retention_of_sums(change_dot_effect: float, change_squared: float, effect_squared: float) -> float:
+    """Retention from its three sums (the package's change dotted with the adapter's, and each
+    squared), for callers that add them up piece by piece instead of holding all the logits."""
+    if effect_squared == 0.0:  # an adapter with no effect has nothing to lose
+        return 1.0
+    if change_squared == 0.0:
+        return 0.0
+    return change_dot_effect / math.sqrt(change_squared * effect_squared)
