@@ -2,17 +2,24 @@
 
 Per function of the manifest (the base, and each adapter fused into it as ``lora: fuse`` does)
 and per compression, the function's weights are compressed as a build compresses them (the
-project's one rule picks the weights, ``keep_float16`` and sizes included; the compressed forms
-are the Core AI writer's, whose palettes are the ``.mlpackage``'s) and computed in float32 torch,
-so that what is measured is the compression alone, not float16 arithmetic (verify measures that).
-Against the same function in float32: perplexity ratio on the text, top-1 agreement, and for an
-adapter its retention (the cosine between the compressed function's change from the float32
-base and the adapter's own change, over every scored position and logit). Bytes: what the
-function's weights take in the package (float16 where left uncompressed).
+project's one rule picks the weights, ``keep_float16``, per-layer exceptions and sizes included;
+the compressed forms are the Core AI writer's, whose palettes are the ``.mlpackage``'s) and
+computed in float32 torch, so that what is measured is the compression alone, not float16
+arithmetic (verify measures that). Against the same function in float32: perplexity ratio on
+the text, top-1 agreement, and for an adapter its retention (the cosine between the compressed
+function's change from the float32 base and the adapter's own change, over every scored position
+and logit). Bytes: what the function's weights take in the package (float16 where left
+uncompressed).
+
+Compressions ending in ``-data-aware`` weigh the palettes by the activations of the manifest's
+calibration texts (``compress.importance``); ``auto`` is what ``compression: auto`` chooses per
+function (data-aware, its default targets or ``--auto-ratio``/``--auto-retention``). With
+``--heldout DIR``, each function is measured on ``DIR/<function>.txt`` (text the calibration
+never saw), else every function on ``--text``.
 
     .venv/bin/python scripts/smollm2.py       # the checkpoint, once
-    .venv/bin/python benchmarks/quality.py [--manifest manifests/smollm2.yaml] [--text adapters/demo/heldout.txt]
-        [--function base ...] [--compression palettize-4 ...] [--window 256] [--json F]
+    .venv/bin/python benchmarks/quality.py [--manifest manifests/smollm2.yaml] [--heldout adapters/smollm2/heldout]
+        [--text adapters/demo/heldout.txt] [--function base ...] [--compression palettize-4 ...] [--window 256] [--json F]
 """
 
 from __future__ import annotations
@@ -22,12 +29,16 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 KEEP_FLOAT16 = ["embed_tokens", "lm_head"]  # as the shipped manifests keep them
 COMPRESSIONS = {
     "float16": {"method": "none"},
+    "palettize-4-data-aware": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
+    "palettize-4-group4-data-aware": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 4},
+    "auto": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16, "auto": {}},
     "palettize-8": {"method": "palettize", "nbits": 8, "granularity": "per_grouped_channel", "group_size": 16},
     "palettize-6": {"method": "palettize", "nbits": 6, "granularity": "per_grouped_channel", "group_size": 16},
     "palettize-4": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
@@ -50,13 +61,14 @@ def fused(base, checked, function: str):
     return applied_adapter(base, checked.adapters[function].folder, mode="fuse", scale=float(adapter.scale))
 
 
-def compressed_weights(model, compression) -> tuple[dict, int]:
+def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
     """Module name -> dense float32 weight as the package stores it (compressed ones only), and
     the bytes all the function's linear and embedding weights take."""
     import torch
     from torch import nn
 
     from adapterpack.compress.coreai_weights import CoreAIWeights
+    from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.compression import compressed_bytes, weight_setting
 
     total = 0
@@ -67,7 +79,8 @@ def compressed_weights(model, compression) -> tuple[dict, int]:
     if compression.method == "none":
         return {}, total
     with torch.no_grad():
-        dense = {name: module.weight_source().float() for name, module in CoreAIWeights().replacements(model, compression).items()}
+        weights = CoreAIWeights(PaletteStore(importance=importance))
+        dense = {name: module.weight_source().float() for name, module in weights.replacements(model, compression).items()}
     return dense, total
 
 
@@ -105,13 +118,13 @@ def figures(got, reference, base, targets) -> dict[str, float]:
     return found
 
 
-def compared(model, compression, ids: list[int], window: int, reference, base_logits, targets) -> dict:
+def compared(model, compression, ids: list[int], window: int, reference, base_logits, targets, importance=None) -> dict:
     """``model`` with its weights compressed by ``compression``, against ``reference``; the
     model's weights are restored after."""
     import torch
 
     began = time.perf_counter()
-    dense, size = compressed_weights(model, compression)
+    dense, size = compressed_weights(model, compression, importance)
     originals = {name: p.detach().clone() for name, p in model.named_parameters()}
     try:
         with torch.no_grad():
@@ -127,26 +140,57 @@ def compared(model, compression, ids: list[int], window: int, reference, base_lo
     return figures(got, reference, base_logits, targets) | {"bytes": size, "seconds": round(time.perf_counter() - began, 1)}
 
 
-def run(manifest: Path, text: Path, functions: list[str] | None, compressions: list[str], window: int) -> dict:
+def chosen(checked, label: str, auto_targets: dict) -> dict:
+    """{function: Compression} of ``label`` for every function of ``checked`` (auto: searched)."""
+    import tempfile
+
+    from adapterpack.assemble.auto import resolve_auto
+    from adapterpack.assemble.cache import FolderPalettes
+    from adapterpack.assemble.records import Reporter
     from adapterpack.config.manifest import Compression
+
+    settings = dict(COMPRESSIONS[label], keep_float16=KEEP_FLOAT16)
+    if label != "auto":
+        return {name: Compression(**settings) for name in checked.manifest.function_names}
+    settings["auto"] = auto_targets
+    manifest = checked.manifest.model_copy(update={"compression": Compression(**settings)})
+    with tempfile.TemporaryDirectory() as scratch:
+        resolved, _ = resolve_auto(replace(checked, manifest=manifest), Reporter(), FolderPalettes(Path(scratch)))
+    return {name: resolved.manifest.compression_for(name) for name in checked.manifest.function_names}
+
+
+def run(manifest: Path, texts, functions: list[str] | None, compressions: list[str], window: int, auto_targets: dict) -> dict:
+    """``texts``: one text file for every function, or a folder of ``<function>.txt``."""
+    from adapterpack.assemble.calibration import channel_importance
+    from adapterpack.assemble.records import Reporter
     from adapterpack.convert.base_model import load_base
-    from adapterpack.evaluate.text import load_tokenizer
     from adapterpack.inputs.checked import check_inputs
+    from adapterpack.inputs.text import load_tokenizer
 
     checked = check_inputs(manifest)
-    ids = load_tokenizer(checked.base.folder)(text.read_text(encoding="utf-8"))["input_ids"]
+    tokenizer = load_tokenizer(checked.base.folder)
     names = functions or list(checked.manifest.function_names)
-    results: dict = {"manifest": str(manifest), "text": str(text), "tokens": len(ids), "window": window, "functions": {}}
+
+    def text_of(function: str) -> Path:
+        return texts / f"{function}.txt" if texts.is_dir() else texts
+
+    results: dict = {"manifest": str(manifest), "text": str(texts), "window": window, "functions": {}, "tokens": {}}
+    importance = channel_importance(checked, Reporter()) if any(label.endswith(("data-aware", "auto")) for label in compressions) else None
+    settings = {label: chosen(checked, label, auto_targets) for label in compressions}
     base = load_base(checked.base.folder, dtype="float32").eval()
-    base_logits, targets = scored_logits(base, ids, window)
     for function in names:
+        ids = tokenizer(text_of(function).read_text(encoding="utf-8"))["input_ids"]
+        results["tokens"][function] = len(ids)
+        base_logits, targets = scored_logits(base, ids, window)
         adapter = checked.manifest.adapter(function) is not None
         with fused(base, checked, function) as model:
             reference = scored_logits(model, ids, window)[0] if adapter else base_logits
             rows = {}
             for label in compressions:
-                compression = Compression(**COMPRESSIONS[label], keep_float16=KEEP_FLOAT16)
-                rows[label] = compared(model, compression, ids, window, reference, base_logits if adapter else None, targets)
+                compression = settings[label][function]
+                weighted = importance if label.endswith(("data-aware", "auto")) else None
+                rows[label] = compared(model, compression, ids, window, reference, base_logits if adapter else None, targets, weighted)
+                rows[label]["compression"] = compression.describe()
                 print(f"{function} {label}: {rows[label]}", file=sys.stderr, flush=True)
         results["functions"][function] = rows
     return results
@@ -163,19 +207,24 @@ def table(results: dict) -> str:
             lines.append(
                 f"| {function} | {label} | {f['bytes']:,} | {f['ratio']:.3f} | {100 * f['top1']:.1f}% | {retention} |"
             )
-    return "\n".join(lines) + f"\n\n{results['tokens']} tokens of {results['text']}, windows of {results['window']}"
+    tokens = ", ".join(f"{name} {count}" for name, count in results["tokens"].items())
+    return "\n".join(lines) + f"\n\ntokens of {results['text']}: {tokens}; windows of {results['window']}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--manifest", type=Path, default=REPO / "manifests" / "smollm2.yaml")
     parser.add_argument("--text", type=Path, default=REPO / "adapters" / "demo" / "heldout.txt")
+    parser.add_argument("--heldout", type=Path, help="a folder of <function>.txt, one text per function")
+    parser.add_argument("--auto-ratio", type=float, default=1.05, help="auto's max_perplexity_ratio")
+    parser.add_argument("--auto-retention", type=float, default=0.9, help="auto's min_retention")
     parser.add_argument("--function", action="append", dest="functions")
     parser.add_argument("--compression", action="append", dest="compressions", choices=list(COMPRESSIONS))
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    results = run(args.manifest, args.text, args.functions, args.compressions or list(COMPRESSIONS), args.window)
+    targets = {"max_perplexity_ratio": args.auto_ratio, "min_retention": args.auto_retention}
+    results = run(args.manifest, args.heldout or args.text, args.functions, args.compressions or list(COMPRESSIONS), args.window, targets)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))

@@ -93,7 +93,7 @@ def measured(model, found: dict[str, float]):
 
 
 def prompts(checked, vocab_size: int):
-    from adapterpack.evaluate.text import load_tokenizer
+    from adapterpack.inputs.text import load_tokenizer
     from adapterpack.verify.drives import verification_tokens
 
     tokenizer = load_tokenizer(checked.base.folder)

@@ -89,6 +89,12 @@ def test_linear_defaults(folder):
         ("- just\n- a list\n", 1, "must be a YAML mapping"),
         ("name: d\nbase: {path: base}\n", None, "no functions"),
         (GOOD.replace("method: palettize", "method: prune\n  nbits: 4"), None, "'nbits' does not apply"),
+        (GOOD.replace("    path: a1\n", "    path: a1\n    calibration: nowhere.txt\n"), 7, "calibration: "),
+        (GOOD.replace("method: palettize", "method: palettize\n  auto: {}"), None, "compression auto measures 'chat' on its own text"),
+        (GOOD.replace("method: palettize", "method: linear\n  auto: {}"), None, "auto chooses palettization bits"),
+        (GOOD.replace("method: palettize", "method: palettize\n  layers: {mlp: {method: linear}}"), None, "an exception is palettize or none"),
+        (GOOD.replace("method: palettize", "method: palettize\n  layers: {mlp: 8}"), None, "needs settings as a mapping"),
+        (GOOD.replace("method: palettize", "method: palettize\n  auto: {min_retention: 2}"), 17, "less than or equal to 1"),
     ],
 )
 def test_bad_manifests_name_file_and_line(folder, text, line, fragment):
@@ -101,6 +107,27 @@ def test_bad_manifests_name_file_and_line(folder, text, line, fragment):
     assert fragment in message
     if line is not None:
         assert message.startswith(f"{path}:{line}:"), message
+
+
+def test_calibration_auto_and_layer_exceptions(folder):
+    (folder / "base.txt").write_text("base text")
+    (folder / "chat.txt").write_text("chat text")
+    text = (
+        "name: d\nbase: {path: base, calibration: base.txt}\ninclude_base: plain\n"
+        "adapters:\n  - {name: chat, path: a1, calibration: chat.txt}\n  - {name: code, path: a2, compression: {auto: null, nbits: 6}}\n"
+        "compression: auto\n"
+    )
+    manifest = load_manifest(write(folder, text))
+    assert manifest.compression.auto is not None and manifest.compression.nbits == 4
+    assert manifest.compression_for("code").auto is None and manifest.compression_for("code").nbits == 6
+    assert manifest.calibration_paths() == {"plain": (folder / "base.txt").resolve(), "chat": (folder / "chat.txt").resolve()}
+    exceptions = load_manifest(
+        write(folder, "name: d\nbase: {path: base}\nadapters: [{name: a, path: a1}]\n"
+              "compression: {group_size: 8, layers: {layers.0.mlp: {nbits: 8}, o_proj: {method: none}}}\n")
+    ).compression
+    (pattern, eight), (_, kept) = exceptions.layers
+    assert (pattern, eight.nbits, eight.group_size, kept.method) == ("layers.0.mlp", 8, 8, "none")
+    assert exceptions.describe() == "palettize 4-bit per_grouped_channel/8 + 1 layer at 8-bit + 1 layer at float16"
 
 
 def test_missing_manifest(tmp_path):

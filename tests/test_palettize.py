@@ -87,6 +87,39 @@ def test_palettes_are_near_the_exact_optimum_at_every_bit_width(kind):
             assert error <= bound * _optimal_error(row, nbits), (kind, nbits, error / _optimal_error(row, nbits))
 
 
+@pytest.mark.parametrize("kind", ["student-t", "model.layers.2.mlp.down_proj.weight"])
+def test_weighted_palettes_are_near_the_exact_weighted_optimum(kind):
+    """A value of integer importance w counts as w copies of it: the weighted palette's weighted
+    error must be near the exact optimum of the values so repeated."""
+    groups = _weight_groups(kind)[:, :4096]
+    importance = np.random.default_rng(3).integers(1, 6, size=groups.shape).astype(np.float64)
+    importance[:, :64] = 40  # a few heavily weighted inputs, as a massive activation makes them
+    for nbits, bound in ((2, 1.01), (4, 1.15), (6, 1.15)):
+        luts, labels = kmeans_1d(groups, nbits, importance=importance)
+        for row, weight, lut, label in zip(groups, importance, luts, labels):
+            error = float((weight * (row.astype(np.float64) - lut.astype(np.float64)[label]) ** 2).sum())
+            optimum = _optimal_error(np.repeat(row, weight.astype(int)), nbits)
+            assert error <= bound * optimum, (kind, nbits, error / optimum)
+        unweighted = kmeans_1d(groups, nbits)
+        plain_error = sum(
+            float((weight * (row.astype(np.float64) - lut.astype(np.float64)[label]) ** 2).sum())
+            for row, weight, lut, label in zip(groups, importance, *unweighted)
+        )
+        weighted_error = sum(
+            float((weight * (row.astype(np.float64) - lut.astype(np.float64)[label]) ** 2).sum())
+            for row, weight, lut, label in zip(groups, importance, luts, labels)
+        )
+        assert weighted_error < plain_error, (kind, nbits)
+
+
+def test_equal_importance_gives_the_unweighted_palettes():
+    groups = _weight_groups("student-t")
+    luts, labels = kmeans_1d(groups, 4)
+    weighted_luts, weighted_labels = kmeans_1d(groups, 4, importance=np.full(groups.shape, 1.0))
+    np.testing.assert_array_equal(luts, weighted_luts)
+    np.testing.assert_array_equal(labels, weighted_labels)
+
+
 def test_palettes_do_not_depend_on_what_they_are_batched_with(monkeypatch):
     """Tensors are clustered together in batches that cut across tensor boundaries; each one's
     palettes must equal clustering it alone."""

@@ -28,6 +28,10 @@ SETTINGS = {
     "6-bit grouped, embeddings kept": dict(nbits=6, granularity="per_grouped_channel", group_size=16),
     "8-bit grouped by 4": dict(nbits=8, granularity="per_grouped_channel", group_size=4, keep_float16=["mlp"]),
     "4-bit per tensor": dict(nbits=4, granularity="per_tensor", keep_float16=[]),
+    "4-bit with per-layer exceptions": dict(
+        nbits=4, granularity="per_grouped_channel", group_size=16, keep_float16=[],
+        layers={"layers.0.mlp": {"nbits": 8}, "layers.1.self_attn.q_proj": {"group_size": 4}, "o_proj": {"method": "none"}},
+    ),
 }
 
 
@@ -104,6 +108,31 @@ def test_streamed_palettization_equals_coremltools(programs, tmp_path, setting, 
     assert written and written[-1][0] == written[-1][1] and [d for d, _ in written] == sorted(d for d, _ in written)
     # and something was palettized at all (the comparison would otherwise be of two copies)
     assert b"constexpr_lut_to_dense" in spec_path(tmp_path / "streamed.mlpackage").read_bytes()
+
+
+def test_per_layer_exceptions_take_effect(programs, tmp_path):
+    """Exceptions change exactly the weights they name: more bits cost more bytes, float16 leaves
+    the weight a plain constant, and the rest are as without exceptions."""
+    plain = Compression(method="palettize", **SETTINGS["4-bit grouped"])
+    excepted = Compression(method="palettize", **SETTINGS["4-bit with per-layer exceptions"])
+    sizes = {}
+    for label, compression in (("plain", plain), ("excepted", excepted)):
+        target = tmp_path / f"{label}.mlpackage"
+        assert palettize_program(programs["base"], target, compression, PaletteStore(), setting_of=setting_of(compression))
+        sizes[label] = (target / WEIGHTS).stat().st_size
+        spec = load_spec_file(spec_path(target))
+        ops = {op.outputs[0].name: op for f in spec.mlProgram.functions.values() for b in f.block_specializations.values() for op in walk_ops(b) if op.outputs}
+        palettized = {name for name, op in ops.items() if op.type == "constexpr_lut_to_dense"}
+        o_proj = {name for name in palettized if "o_proj" in name}
+        mlp0 = {name for name in palettized if "layers_0_mlp" in name}
+        assert mlp0, "the first layer's MLP is palettized in both"
+        if label == "excepted":
+            assert not o_proj
+            for name in mlp0:
+                assert ops[name].inputs["lut"].arguments[0].value.type.tensorType.dimensions[-2].constant.size == 256
+        else:
+            assert o_proj
+    assert sizes["excepted"] > sizes["plain"]
 
 
 def test_graph_comparison_notices_a_changed_op(programs, tmp_path):

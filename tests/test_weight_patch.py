@@ -100,7 +100,7 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     store = PaletteStore(FolderPalettes(tmp_path / "palettes"))
     base = two_layer_program(tmp_path / "base.mlpackage", w1, w2, compression, store)
     expected = two_layer_program(tmp_path / "expected.mlpackage", w1, new, compression, store)
-    before, after = palettized_records([w2, new], compression, store)
+    before, after = palettized_records([w2, new], [compression, compression], store)
     change = TensorChange.float16(w2, new)
     change.encodings.insert(0, [(d, b, a) for (d, b), (_, a) in zip(before, after)])
     assert patch_weights(base, tmp_path / "patched.mlpackage", [change])
@@ -117,7 +117,7 @@ def test_palettized_records_decode_to_the_palettized_weight():
 
     weight = np.random.default_rng(3).standard_normal((32, 48)).astype(np.float16)
     [[(index_dtype, packed), (lut_dtype, lut)]] = palettized_records(
-        [weight], Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=8), PaletteStore()
+        [weight], [Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=8)], PaletteStore()
     )
     assert (index_dtype, lut_dtype) == ("uint4", "float16")
     packed = np.frombuffer(packed, np.uint8)

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from adapterpack.assemble.builder import check_value_ranges
+from adapterpack.assemble.calibration import channel_importance
 from adapterpack.assemble.parts import PartRecord, metadata_of
 from adapterpack.assemble.records import FunctionProvenance, Reporter
 from adapterpack.formats.aimodel.format import AIMODEL
@@ -49,12 +50,13 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
     names = manifest.function_names
     session = AssetSession(max_context=manifest.export.max_context, compute=manifest.export.compute_precision)
     scratch = target.parent / f".{target.stem}.palettes"
-    palettes = PaletteStore(cache.palette_files() if cache is not None else FolderPalettes(scratch))
-    weights = CoreAIWeights(palettes)
     name_for_client = hf_name(checked)
     records = {name: PartRecord.for_function(checked, name, name_for_client) for name in names}
     try:
         check_value_ranges(checked, names, reporter, cache)
+        importance = channel_importance(checked, reporter, cache)
+        palettes = PaletteStore(cache.palette_files() if cache is not None else FolderPalettes(scratch), importance)
+        weights = CoreAIWeights(palettes)
         with reporter.stage(f"load base {manifest.base.path}"):
             base = load_base(checked.base.folder, dtype="float16")
         original_weight = stored_weight_reader(checked.base)

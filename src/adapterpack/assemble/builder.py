@@ -9,6 +9,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from adapterpack.assemble.calibration import calibration_key, channel_importance
 from adapterpack.assemble.parts import PART_FORMAT, Part, PartRecord, content_key, metadata_of, place
 from adapterpack.assemble.records import Reporter
 from adapterpack.errors import BadInput
@@ -42,7 +43,7 @@ def build_parts(
     folder.mkdir(parents=True, exist_ok=True)
     # Palettes go to disk even without a build cache: a fused function's patch re-reads the
     # base's, and holding a 1B model's in memory would cost over a gigabyte.
-    palettes = PaletteStore(cache.palette_files() if cache is not None else FolderPalettes(folder / ".palettes"))
+    palette_files = cache.palette_files() if cache is not None else FolderPalettes(folder / ".palettes")
     names = only or manifest.function_names
     name_for_client = hf_name(checked)
     reused: list[str] = []
@@ -63,8 +64,11 @@ def build_parts(
                     place(cached[records[name].key], targets[name])
                 reused.append(name)
         to_build = [name for name in names if name not in reused]
+        importance = None
         if to_build:
             check_value_ranges(checked, to_build, reporter, cache)
+            importance = channel_importance(checked, reporter, cache)
+        palettes = PaletteStore(palette_files, importance)
         for name in names:
             if name not in reused:
                 if builder is None:
@@ -156,6 +160,8 @@ def template_key(checked: CheckedInputs, compression=None) -> str:
     }
     if compression is not None and compression.method != "none":
         record.update(compression=compression.model_dump(mode="json"), palettes=PALETTE_ALGORITHM)
+        if compression.method == "palettize" and calibration_key(checked) is not None:
+            record.update(calibration=calibration_key(checked))
     return content_key(record)
 
 
@@ -256,11 +262,15 @@ class _PartBuilder:
         ``progress(done, total)``: values palettized so far (the old values' palettes usually
         come from the palette cache, the new ones are clustered)."""
         from adapterpack.compress.model import palettized_records
+        from adapterpack.config.compression import weight_setting
 
         pairs = [(old.numpy(), new.numpy()) for old, new in changes.values()]
         palettized = compression is not None and compression.method == "palettize"
         # old and new values of every changed tensor, clustered in order on both cores
-        records = palettized_records([value for pair in pairs for value in pair], compression, self.palettes) if palettized else None
+        names = [name for name in changes for _ in range(2)]
+        values = [value for pair in pairs for value in pair]
+        settings = [weight_setting(name, value.shape, compression) for name, value in zip(names, values)] if palettized else []
+        records = palettized_records(values, settings, self.palettes, names) if palettized else None
         tensor_changes = []
         done, total = 0, 2 * sum(old.size for old, _ in pairs)
         for old, new in pairs:

@@ -75,6 +75,10 @@ class PartRecord:
     deployment_target: str
     versions: dict[str, str]
     format: int = PART_FORMAT
+    # digest of the calibration its palettes are weighted by (assemble.calibration); None: data-free
+    calibration: str | None = None
+    # what compression auto measured for the choice (assemble.auto.AutoChoice.as_metadata)
+    auto: dict | None = None
 
     @classmethod
     def for_function(cls, checked, name: str, hf_name: str) -> PartRecord:
@@ -84,7 +88,10 @@ class PartRecord:
         adapter = manifest.adapter(name)
         info = checked.adapters.get(name)
         mode = manifest.lora_mode(name) if adapter is not None else None
+        from adapterpack.assemble.calibration import calibration_key
+
         compression = manifest.compression_for(name)
+        calibration = calibration_key(checked, name)
         return cls(
             manifest_name=manifest.name,
             function=name,
@@ -94,7 +101,7 @@ class PartRecord:
             adapter_sha256=info.content_hash if info is not None else None,
             lora=mode,
             scale=float(adapter.scale) if adapter is not None else None,
-            compression=compression.describe(),
+            compression=compression.describe() + (", data-aware" if calibration else ""),
             compression_settings=compression.model_dump(mode="json"),
             lora_compression=manifest.lora_compression.model_dump(mode="json") if mode == "keep" else None,
             base=BaseSource(
@@ -103,6 +110,8 @@ class PartRecord:
             max_context=manifest.export.max_context,
             deployment_target=manifest.export.deployment_target,
             versions=library_versions(MLPACKAGE.libraries),
+            calibration=calibration,
+            auto=checked.auto_figures.get(name),
         )
 
     def as_json(self) -> dict:
@@ -123,6 +132,8 @@ class PartRecord:
             )
         values = dict(data)
         values["adapter_sha256"] = values.pop("adapterSha256", None)
+        for added in ("calibration", "auto"):  # records of builds before these existed
+            values.setdefault(added, None)
         names = {f.name for f in fields(cls)}
         if set(values) != names:
             raise BadInput(f"{where}: part record fields {sorted(set(values) ^ names)} missing or unknown")
@@ -139,7 +150,7 @@ class PartRecord:
         return content_key({k: v for k, v in self.as_json().items() if k not in UNKEYED_FIELDS})
 
     def provenance(self) -> FunctionProvenance:
-        return FunctionProvenance(self.function, self.adapter, self.adapter_sha256, self.lora, self.scale, self.compression)
+        return FunctionProvenance(self.function, self.adapter, self.adapter_sha256, self.lora, self.scale, self.compression, self.auto)
 
 
 class Part(NamedTuple):

@@ -8,6 +8,7 @@ what changed -> move into place.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ def build(
     started = time.perf_counter()
     plan = plan_build(manifest, output, options)
     with Staging(plan.destination) as staging:
+        plan = dataclasses.replace(plan, checked=_chosen(plan.checked, plan.cache, staging.folder, reporter))
         staged = staging.folder / plan.destination.name
         write = _write_in_parts if plan.format.fans_out else _write_whole
         written = write(plan, staged, options, reporter)
@@ -97,6 +99,16 @@ def build(
             f"{result.package_size / 2**20:.1f} MiB (the base stored once, adapters as float16 LoRA matrices)"
         )
     return result
+
+
+def _chosen(checked: CheckedInputs, cache: BuildCache | None, scratch: Path, reporter: Reporter) -> CheckedInputs:
+    """``checked`` with what ``compression.auto`` chose in place (the palettes it makes go to the
+    build cache, else to ``scratch``)."""
+    from adapterpack.assemble.auto import resolve_auto
+    from adapterpack.assemble.cache import FolderPalettes
+
+    files = cache.palette_files() if cache is not None else FolderPalettes(scratch / ".auto-palettes")
+    return resolve_auto(checked, reporter, files, cache)[0]
 
 
 def _write_in_parts(plan: Plan, staged: Path, options: BuildOptions, reporter: Reporter) -> Written:
@@ -251,6 +263,7 @@ def build_function_part(
     with Staging(parts_dir / f"{function}{package_format.suffix}") as staging:
         use_cache = options.cache_dir is not None and options.use_cache
         cache = BuildCache(Path(options.cache_dir)) if use_cache else None
+        checked = _chosen(checked, cache, staging.folder, reporter)
         parts, _ = build_parts(checked, staging.folder, reporter, cache=cache, only=[function])
         return write_part(parts_dir, parts[0])
 

@@ -104,15 +104,19 @@ class FunctionProvenance:
     lora: str | None
     scale: float | None
     compression: str
+    auto: dict | None = None  # what compression auto measured for its choice
 
     def as_metadata(self) -> dict[str, object]:
-        return {
+        found: dict[str, object] = {
             "adapter": self.adapter,
             "adapterSha256": self.adapter_sha256,
             "lora": self.lora,
             "scale": self.scale,
             "compression": self.compression,
         }
+        if self.auto is not None:
+            found["auto"] = self.auto
+        return found
 
 
 @dataclass

@@ -119,7 +119,12 @@ class CoreAIWeights:
         grouped = {name: grouped_rows(value, compression) for name, value in weights.items()}
         made: dict[str, nn.Module | None] = {name: None for name, flat in grouped.items() if flat is None}
         names = [name for name, flat in grouped.items() if flat is not None]
-        found = self.palettes.in_order([weights[n].size for n in names], lambda i: grouped[names[i]], compression.nbits)
+        found = self.palettes.in_order(
+            [weights[n].size for n in names],
+            lambda i: grouped[names[i]],
+            compression.nbits,
+            named=lambda i: (names[i], weights[names[i]].shape),
+        )
         total, done = sum(weights[n].size for n in names), 0
         for name in names:
             luts, indices = next(found)

@@ -30,6 +30,8 @@ GROWTH_STEPS = 8  # Lloyd steps after each doubling of the palette
 MOVE_ROUNDS = 8  # centroid moves (one per group per round), each followed by MOVE_STEPS of Lloyd
 MOVE_STEPS = 4
 SPLIT_STEPS = 4  # Lloyd steps of each cluster's own 2-means (where to split it)
+# Divisor floor: a cluster's count is an integer, or with importance a weight sum, possibly below 1.
+_TINY = 1e-300
 
 
 def batched_searchsorted(rows: torch.Tensor, queries: torch.Tensor, *, right: bool) -> torch.Tensor:
@@ -65,20 +67,29 @@ def _sort_rows(groups: np.ndarray, data: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _means(counts: torch.Tensor, sums: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     """Each cluster's mean; ``empty`` (broadcast) where a cluster holds no value."""
-    return torch.where(counts > 0, sums / counts.clamp(min=1), empty)
+    return torch.where(counts > 0, sums / counts.clamp(min=_TINY), empty)
 
 
 class _SortedRows:
     """Each group's values sorted, with prefix sums of the values and their squares: every
-    cluster statistic a step needs is a difference of two prefix entries."""
+    cluster statistic a step needs is a difference of two prefix entries.
 
-    def __init__(self, ordered: torch.Tensor):
+    With ``importance`` (one non-negative weight per value, in the same order), every statistic
+    is weighted: a cluster's "count" is its total weight, its mean the weighted mean, its error
+    the weighted squared error. Equal weights give the unweighted palettes."""
+
+    def __init__(self, ordered: torch.Tensor, importance: torch.Tensor | None = None):
         self.values = ordered.to(torch.float64)
         n_groups, n = self.values.shape
+        weighted = self.values if importance is None else self.values * importance
         self.sums = torch.zeros((n_groups, n + 1), dtype=torch.float64)
-        self.sums[:, 1:] = torch.cumsum(self.values, dim=1)
+        self.sums[:, 1:] = torch.cumsum(weighted, dim=1)
         self.squares = torch.zeros((n_groups, n + 1), dtype=torch.float64)
-        self.squares[:, 1:] = torch.cumsum(self.values * self.values, dim=1)
+        self.squares[:, 1:] = torch.cumsum(weighted * self.values, dim=1)
+        self.weights = None
+        if importance is not None:
+            self.weights = torch.zeros((n_groups, n + 1), dtype=torch.float64)
+            self.weights[:, 1:] = torch.cumsum(importance, dim=1)
         self.starts = torch.zeros((n_groups, 1), dtype=torch.long)
         self.ends = torch.full((n_groups, 1), n, dtype=torch.long)
 
@@ -93,10 +104,13 @@ class _SortedRows:
 
     def between(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Count, sum and squared error of the sorted values from ``low`` to ``high`` (exclusive)."""
-        counts = (high - low).to(torch.float64)
+        if self.weights is None:
+            counts = (high - low).to(torch.float64)
+        else:
+            counts = torch.gather(self.weights, 1, high) - torch.gather(self.weights, 1, low)
         sums = torch.gather(self.sums, 1, high) - torch.gather(self.sums, 1, low)
         squares = torch.gather(self.squares, 1, high) - torch.gather(self.squares, 1, low)
-        return counts, sums, (squares - sums * sums / counts.clamp(min=1)).clamp(min=0)
+        return counts, sums, (squares - sums * sums / counts.clamp(min=_TINY)).clamp(min=0)
 
     def halves(self, bounds: torch.Tensor, means: torch.Tensor):
         """Each cluster cut in two by a few Lloyd steps of its own, starting at its mean: the
@@ -124,7 +138,8 @@ class _SortedRows:
 
     def grown(self, k: int) -> torch.Tensor:
         """k centroids by doubling from the mean: every cluster replaced by its halves' means."""
-        centroids = self.sums[:, -1:] / self.values.shape[1]
+        total = self.values.shape[1] if self.weights is None else self.weights[:, -1:].clamp(min=1e-300)
+        centroids = self.sums[:, -1:] / total
         while centroids.shape[1] < k:
             bounds = self.bounds(centroids)
             counts, sums, _ = self.clusters(bounds)
@@ -149,7 +164,7 @@ class _SortedRows:
             # Merging adjacent clusters a, b costs n_a n_b / (n_a + n_b) (mean_a - mean_b)^2 (an
             # empty one: nothing); the pair must not include the cluster being split.
             n_a, n_b = counts[:, :-1], counts[:, 1:]
-            cost = n_a * n_b / (n_a + n_b).clamp(min=1) * (means[:, 1:] - means[:, :-1]) ** 2
+            cost = n_a * n_b / (n_a + n_b).clamp(min=_TINY) * (means[:, 1:] - means[:, :-1]) ** 2
             cost = torch.where((pairs == split[:, None]) | (pairs + 1 == split[:, None]), torch.inf, cost)
             merge = cost.argmin(dim=1)
             better = gain[rows, split] > cost[rows, merge] * (1 + 1e-9)
@@ -165,16 +180,23 @@ class _SortedRows:
         return centroids
 
 
-def kmeans_1d(groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS) -> tuple[np.ndarray, np.ndarray]:
+def kmeans_1d(
+    groups: np.ndarray, nbits: int, iterations: int = MAX_ITERATIONS, importance: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Palettize each row of ``groups`` (G, n): returns ``lut`` (G, 2**nbits) and ``indices`` (G, n) uint8.
 
-    Rows with no more distinct values than palette entries get those values exactly.
+    ``importance`` (G, n), optional, weighs each value's squared error (data-aware palettes: the
+    energy of the activation it multiplies); weights should be positive. Rows with no more
+    distinct values than palette entries get those values exactly.
     """
     data = torch.from_numpy(np.ascontiguousarray(groups, dtype=np.float32))
     n_groups, n = data.shape
     k = 1 << nbits
     ordered, permutation = _sort_rows(groups, data)
-    rows = _SortedRows(ordered)
+    weights = None
+    if importance is not None:
+        weights = torch.gather(torch.from_numpy(np.ascontiguousarray(importance, dtype=np.float64)), 1, permutation)
+    rows = _SortedRows(ordered, weights)
     centroids = rows.moved(rows.lloyd(rows.grown(k), iterations))
 
     lut = centroids.to(torch.float32)

@@ -102,14 +102,19 @@ def compress_model(
     # Two passes: the base weights, then (keep mode) the LoRA matrices with their own setting.
     if compression.method != "none":
         op_config, apply = OP_CONFIGS[compression.method](compression, palettes)
-        excluded = {name: None for name, setting in settings.items() if setting is None or is_lora_weight(name)}
+        # per weight: None (left float16), or a per-layer exception's own configuration
+        own: dict[str, object | None] = {name: None for name, setting in settings.items() if setting is None or is_lora_weight(name)}
+        for name, setting in settings.items():
+            if name not in own and setting != compression:
+                own[name] = OP_CONFIGS[setting.method](setting, palettes)[0]
         if compression.method == "palettize":
-            palettes.prime({n: v for n, v in values.items() if n not in excluded}, compression)
+            for setting in {s for n, s in settings.items() if n not in own or own[n] is not None}:
+                palettes.prime({n: v for n, v in values.items() if settings[n] == setting and not is_lora_weight(n)}, setting)
         # coremltools loads its own copy of the weights: drop ours first (a 1B model's float16
         # weights are 2.5 GB).
         values.clear()
-        config = cto.OptimizationConfig(global_config=op_config, op_name_configs=excluded)
-        log.debug("compressing with %s; kept float16: %s", compression.describe(), sorted(excluded))
+        config = cto.OptimizationConfig(global_config=op_config, op_name_configs=own)
+        log.debug("compressing with %s; kept float16: %s", compression.describe(), sorted(n for n, c in own.items() if c is None))
         with captured_output():
             mlmodel = apply(mlmodel, config=config)
         if palettes.files is not None:
@@ -158,11 +163,13 @@ def compress_package(
 
 
 def palettized_records(
-    values: list[np.ndarray], compression: Compression, palettes: PaletteStore
+    values: list[np.ndarray], settings: list[Compression | None], palettes: PaletteStore, names: list[str] | None = None
 ) -> Iterator[list[tuple[str, bytes]] | None]:
-    """For each weight in turn, the blob records coremltools writes for it palettized as
-    ``compression`` says: [(blob dtype, bytes)] of the indices (packed n-bit, weight order) and
-    the float16 palette; None for a weight coremltools would not palettize this way.
+    """For each weight in turn, the blob records coremltools writes for it palettized as its
+    setting says (``config.compression.weight_setting``'s): [(blob dtype, bytes)] of the indices
+    (packed n-bit, weight order) and the float16 palette; None for a weight coremltools would not
+    palettize this way (or left float16). ``names`` (the weights' tensor names) pick their
+    importance, as the compressed base was palettized with.
 
     Uses the same palettes the build compresses with (``palettes``, disk cache included), so a
     fused function can be patched at the compressed level; the k-means runs on both cores
@@ -171,18 +178,25 @@ def palettized_records(
     """
     from adapterpack.compress.program import index_blob_dtype, pack_indices
 
-    if compression.method != "palettize":
-        yield from [None] * len(values)
-        return
-    present = [i for i, value in enumerate(values) if value.dtype == np.float16 and grouped_rows(value, compression) is not None]
+    present = [
+        i
+        for i, (value, setting) in enumerate(zip(values, settings))
+        if setting is not None
+        and setting.method == "palettize"
+        and value.dtype == np.float16
+        and grouped_rows(value, setting) is not None
+    ]
     found = palettes.in_order(
-        [values[i].size for i in present], lambda k: grouped_rows(values[present[k]], compression), compression.nbits
+        [values[i].size for i in present],
+        lambda k: grouped_rows(values[present[k]], settings[present[k]]),
+        lambda k: settings[present[k]].nbits,
+        named=(lambda k: (names[present[k]], values[present[k]].shape)) if names is not None else None,
     )
-    index_dtype = index_blob_dtype(compression.nbits)
     palettized = set(present)
     for i in range(len(values)):
         if i not in palettized:
             yield None
             continue
         luts, indices = next(found)
-        yield [(index_dtype, pack_indices(indices, compression.nbits).tobytes()), ("float16", luts.astype(np.float16).tobytes())]
+        nbits = settings[i].nbits
+        yield [(index_blob_dtype(nbits), pack_indices(indices, nbits).tobytes()), ("float16", luts.astype(np.float16).tobytes())]

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from adapterpack.compress.importance import ChannelImportance
 from adapterpack.compress.kmeans import kmeans_1d, palettize_group
 from adapterpack.config.manifest import Compression
 
@@ -95,15 +96,18 @@ def _group_key(group: np.ndarray, nbits: int) -> tuple[bytes, int, str, tuple[in
 
 class PaletteStore:
     """Palettes for one build: ``prime`` before coremltools compresses, ``serve`` as its lut
-    function, ``tensor_palettes`` for whole tensors (the weight patch); ``folder`` (optional)
-    keeps them on disk across functions and builds.
+    function, ``tensor_palettes`` for whole tensors (the weight patch); ``files`` (optional)
+    keeps them on disk across functions and builds. With ``importance`` (measured on the
+    calibration text), each named weight's k-means weighs its values by the activation they
+    multiply; unnamed or unmeasured weights are clustered unweighted.
 
-        store = PaletteStore(cache.palette_files())
+        store = PaletteStore(cache.palette_files(), importance)
         compress_model(mlmodel, compression, palettes=store)
     """
 
-    def __init__(self, files: PaletteFiles | None = None):
+    def __init__(self, files: PaletteFiles | None = None, importance: ChannelImportance | None = None):
         self.files = files
+        self.importance = importance
         self._memo: dict[tuple[bytes, int, str, tuple[int, ...]], Palettes] = {}
 
     def serve(self, group: np.ndarray, nbits: int) -> Palettes:
@@ -128,7 +132,8 @@ class PaletteStore:
         grouped = {name: grouped_rows(value, compression) for name, value in weights.items()}
         grouped = {name: flat for name, flat in grouped.items() if flat is not None}
         primed = 0
-        for (name, flat), (luts, indices) in zip(grouped.items(), self.tensor_palettes(list(grouped.values()), nbits)):
+        found = self.tensor_palettes(list(grouped.values()), nbits, list(grouped), [weights[name].shape for name in grouped])
+        for (name, flat), (luts, indices) in zip(grouped.items(), found):
             value = weights[name]
             group_shape = (value.shape[0] // flat.shape[0], *value.shape[1:])
             for row in range(flat.shape[0]):
@@ -137,8 +142,16 @@ class PaletteStore:
                 primed += 1
         return primed
 
-    def tensor_palettes(self, flats: list[np.ndarray], nbits: int) -> list[Palettes]:
-        """(luts, indices) of every row of each tensor in ``flats`` (one row per channel group).
+    def tensor_palettes(
+        self,
+        flats: list[np.ndarray],
+        nbits: int | list[int],
+        names: list[str] | None = None,
+        shapes: list[tuple[int, ...]] | None = None,
+    ) -> list[Palettes]:
+        """(luts, indices) of every row of each tensor in ``flats`` (one row per channel group),
+        at ``nbits`` (one for all, or one per tensor); ``names`` and ``shapes`` (the weights'
+        own), when given, pick each one's importance.
 
         From the disk cache where a previous build clustered the same values; the rest are
         clustered together, rows of equal length from all tensors in one batch (up to
@@ -147,20 +160,29 @@ class PaletteStore:
         quick. Rows are clustered independently, so a row's palette does not depend on what it
         was batched with.
         """
-        files = [self._file(flat, nbits) for flat in flats]  # hashed once, read and written by name
-        results: list[Palettes | None] = [self._cached(file, flat, nbits) for file, flat in zip(files, flats)]
-        pending: dict[tuple[int, str], list[int]] = {}
+        bits = [nbits] * len(flats) if isinstance(nbits, int) else list(nbits)
+        importances = self._importance(flats, names, shapes)
+        # hashed once, read and written by name
+        files = [self._file(flat, n, importance) for flat, n, importance in zip(flats, bits, importances)]
+        results: list[Palettes | None] = [self._cached(file, flat, n) for file, flat, n in zip(files, flats, bits)]
+        pending: dict[tuple[int, str, int], list[int]] = {}
         for index, found in enumerate(results):
             if found is None:
-                pending.setdefault((flats[index].shape[1], str(flats[index].dtype)), []).append(index)
-        for (length, _), members in pending.items():
-            luts = {i: np.empty((flats[i].shape[0], 1 << nbits), np.float32) for i in members}
+                pending.setdefault((flats[index].shape[1], str(flats[index].dtype), bits[index]), []).append(index)
+        for (length, _, nbits_here), members in pending.items():
+            luts = {i: np.empty((flats[i].shape[0], 1 << nbits_here), np.float32) for i in members}
             labels = {i: np.empty(flats[i].shape, np.uint8) for i in members}
             step = max(1, PRIME_BATCH_VALUES // length)
             batch: list[tuple[int, int, int]] = []  # (tensor, first row, end row)
 
-            def cluster(batch=batch, luts=luts, labels=labels) -> None:
-                lut, label = kmeans_1d(np.concatenate([flats[i][a:b] for i, a, b in batch]), nbits)
+            def cluster(batch=batch, luts=luts, labels=labels, nbits=nbits_here, length=length) -> None:
+                importance = None
+                if any(importances[i] is not None for i, _, _ in batch):
+                    # equal importance clusters as unweighted: an unmeasured weight in the batch gets ones
+                    importance = np.concatenate(
+                        [importances[i][1][a:b] if importances[i] is not None else np.ones((b - a, length)) for i, a, b in batch]
+                    )
+                lut, label = kmeans_1d(np.concatenate([flats[i][a:b] for i, a, b in batch]), nbits, importance=importance)
                 offset = 0
                 for i, a, b in batch:
                     luts[i][a:b], labels[i][a:b] = lut[offset : offset + b - a], label[offset : offset + b - a]
@@ -184,9 +206,16 @@ class PaletteStore:
                 self._store(files[i], results[i])
         return results
 
-    def in_order(self, sizes: list[int], grouped: Callable[[int], np.ndarray], nbits: int) -> Iterator[Palettes]:
+    def in_order(
+        self,
+        sizes: list[int],
+        grouped: Callable[[int], np.ndarray],
+        nbits: int | Callable[[int], int],
+        named: Callable[[int], tuple[str, tuple[int, ...]]] | None = None,
+    ) -> Iterator[Palettes]:
         """Palettes of tensors 0, 1, ... (``sizes``: their value counts; ``grouped(i)``: tensor
-        i's rows, read only when its batch starts), yielded in order.
+        i's rows, read only when its batch starts; ``nbits``: for all, or ``nbits(i)`` per
+        tensor; ``named(i)``: its name and shape, for its importance), yielded in order.
 
         Consecutive tensors are clustered together in batches of about ``PRIME_BATCH_VALUES``
         values, ``PALETTE_WORKERS`` batches at a time on their own threads (torch and numpy
@@ -203,7 +232,11 @@ class PaletteStore:
             filled += size
 
         def cluster(batch: list[int]) -> list[Palettes]:
-            return self.tensor_palettes([grouped(i) for i in batch], nbits)
+            bits = nbits if isinstance(nbits, int) else [nbits(i) for i in batch]
+            if named is None:
+                return self.tensor_palettes([grouped(i) for i in batch], bits)
+            names, shapes = zip(*(named(i) for i in batch))
+            return self.tensor_palettes([grouped(i) for i in batch], bits, list(names), list(shapes))
 
         if len(batches) <= 1:
             for batch in batches:
@@ -228,10 +261,22 @@ class PaletteStore:
         """Forget primed palettes (those on disk stay)."""
         self._memo.clear()
 
-    def _file(self, flat: np.ndarray, nbits: int) -> str | None:
+    def _importance(self, flats, names, shapes) -> list[tuple[str, np.ndarray] | None]:
+        """Per tensor: (digest, importance rows), or None where it is clustered unweighted."""
+        if self.importance is None or names is None:
+            return [None] * len(flats)
+        found: list[tuple[str, np.ndarray] | None] = []
+        for index, (flat, name) in enumerate(zip(flats, names)):
+            shape = shapes[index] if shapes is not None else None
+            rows = self.importance.rows(name, shape, flat) if shape is not None else None
+            found.append((self.importance.digest(name), rows) if rows is not None else None)
+        return found
+
+    def _file(self, flat: np.ndarray, nbits: int, importance: tuple[str, np.ndarray] | None = None) -> str | None:
         if self.files is None:
             return None
-        return content_digest(flat, f"{nbits}|{PALETTE_ALGORITHM}")
+        label = f"{nbits}|{PALETTE_ALGORITHM}" + (f"|importance {importance[0]}" if importance is not None else "")
+        return content_digest(flat, label)
 
     def _cached(self, key: str | None, flat: np.ndarray, nbits: int) -> Palettes | None:
         data = self.files.read(key) if key is not None else None

@@ -48,6 +48,7 @@ class _Weight:
     shape: tuple[int, ...]
     file: str  # BlobFileValue.fileName
     offset: int
+    setting: Compression  # its own (config.compression.weight_setting: per-layer exceptions apply)
 
 
 def _op_name(op) -> str:
@@ -62,7 +63,7 @@ def _blocks(spec) -> Iterator[object]:
         yield from function.block_specializations.values()
 
 
-def _weights_to_palettize(spec, compression: Compression, setting_of: SettingOf) -> list[_Weight] | None:
+def _weights_to_palettize(spec, setting_of: SettingOf) -> list[_Weight] | None:
     """The const ops stored in the blob that ``setting_of(name, shape)`` compresses (the rule of
     ``config.compression.weight_setting``), or None when one of them is not something this module
     writes the way coremltools does."""
@@ -80,15 +81,19 @@ def _weights_to_palettize(spec, compression: Compression, setting_of: SettingOf)
                 return None
             shape = tuple(d.constant.size for d in tensor.dimensions)
             name = _op_name(op)
-            if setting_of(name, shape) is None:
+            setting = setting_of(name, shape)
+            if setting is None:
                 continue
-            rows = shape[0] if compression.granularity == "per_tensor" else compression.group_size
+            if setting.method != "palettize":
+                return None
+            rows = shape[0] if setting.granularity == "per_tensor" else setting.group_size
             # coremltools stores a palette of fewer than 10 values inline, not in the blob
-            small_palette = (shape[0] // rows if rows else 0) << compression.nbits < 10
+            small_palette = (shape[0] // rows if rows else 0) << setting.nbits < 10
             if tensor.dataType != data_types.FLOAT16 or not rows or shape[0] % rows or small_palette:
                 log.debug("%s: %s weight of shape %s: palettizing through coremltools", name, tensor.dataType, shape)
                 return None
-            weights.append(_Weight(block, position, name, shape, value.blobFileValue.fileName, value.blobFileValue.offset))
+            file = value.blobFileValue
+            weights.append(_Weight(block, position, name, shape, file.fileName, file.offset, setting))
     return weights
 
 
@@ -139,26 +144,23 @@ def palettize_program(
     ``progress(done, total)``: weight values written so far, after each weight.
     """
     spec = load_spec_file(spec_path(source))
-    weights = _weights_to_palettize(spec, compression, setting_of)
+    weights = _weights_to_palettize(spec, setting_of)
     if weights is None:
         return False
-    nbits = compression.nbits
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(source, target, ignore=lambda folder, names: [n for n in names if n.endswith(".bin")])
     try:
-        _write(source, target, spec, weights, compression, palettes, progress)
+        _write(source, target, spec, weights, palettes, progress)
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         raise
-    log.debug("palettized %d weights to %d bits", len(weights), nbits)
+    log.debug("palettized %d weights (%s)", len(weights), compression.describe())
     return True
 
 
-def _write(source, target, spec, weights, compression, palettes, progress) -> None:
+def _write(source, target, spec, weights, palettes, progress) -> None:
     proto = import_coreml_proto().MIL_pb2
-    nbits = compression.nbits
-    index_dtype = index_blob_dtype(nbits)
     by_place = {(id(w.block), w.position): i for i, w in enumerate(weights)}
     writers: dict[str, BlobWriter] = {}
     copied: dict[tuple[str, int], int] = {}
@@ -182,10 +184,15 @@ def _write(source, target, spec, weights, compression, palettes, progress) -> No
         weight = weights[index]
         _, data = raw(weight.file, weight.offset)
         value = data.view(np.float16).reshape(weight.shape)
-        return grouped_rows(value, compression)
+        return grouped_rows(value, weight.setting)
 
     done, total = 0, sum(math.prod(w.shape) for w in weights)
-    clustered = palettes.in_order([math.prod(w.shape) for w in weights], grouped, nbits)
+    clustered = palettes.in_order(
+        [math.prod(w.shape) for w in weights],
+        grouped,
+        lambda index: weights[index].setting.nbits,
+        named=lambda index: (weights[index].name, weights[index].shape),
+    )
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: [w.close() for w in writers.values()])
         stack.callback(clustered.close)
@@ -208,6 +215,8 @@ def _write(source, target, spec, weights, compression, palettes, progress) -> No
                 weight = weights[index]
                 luts, indices = next(clustered)
                 blob = writer(weight.file)
+                nbits = weight.setting.nbits
+                index_dtype = index_blob_dtype(nbits)
                 indices_at = blob.write(index_dtype, pack_indices(indices, nbits))
                 lut_at = blob.write("float16", np.ascontiguousarray(luts, dtype=np.float16))
                 output = op.outputs[0]

@@ -52,8 +52,9 @@ def weight_setting(
 ) -> Compression | None:
     """The setting weight ``name`` (a module path or a traced constant name) of ``shape`` is
     compressed with, or None when it stays float16: too small or 1-D, a rope table, a
-    ``keep_float16`` match, a method ``none``, or groups or blocks that do not tile it. LoRA matrices follow ``lora_compression``
-    (None: float16), not ``keep_float16``."""
+    ``keep_float16`` match, a method ``none``, or groups or blocks that do not tile it. The first
+    of ``compression.layers``' patterns that matches gives the weight its own setting. LoRA
+    matrices follow ``lora_compression`` (None: float16), not ``keep_float16``."""
     flat = name.replace(".", "_")
     if len(shape) < 2 or math.prod(shape) <= WEIGHT_THRESHOLD or matches_any(flat, ALWAYS_FLOAT16):
         return None
@@ -62,7 +63,7 @@ def weight_setting(
     elif matches_any(flat, tuple(compression.keep_float16)):
         return None
     else:
-        setting = compression
+        setting = next((own for pattern, own in compression.layers if matches_any(flat, (pattern,))), compression)
     if setting is None or setting.method == "none" or not _fits(shape, setting):
         return None
     return setting

@@ -38,6 +38,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The fields that say how a weight is compressed (what a per-layer exception may change).
+SETTING_FIELDS = ("method", "nbits", "granularity", "group_size", "block_size", "sparsity")
+
+
+class AutoTargets(_Strict):
+    """What ``compression.auto`` must keep, measured on each function's calibration text."""
+
+    max_perplexity_ratio: StrictFloat | StrictInt = Field(
+        default=1.05, ge=1.0, description="Largest perplexity of the compressed function over its float reference's"
+    )
+    min_retention: StrictFloat | StrictInt = Field(
+        default=0.9, ge=0.0, le=1.0, description="Smallest share of the adapter's effect on the logits that survives"
+    )
+
+
 class Compression(_Strict):
     """How one function's weights are compressed; unset fields take the method's defaults."""
 
@@ -48,6 +63,34 @@ class Compression(_Strict):
     block_size: StrictInt | None = Field(default=None, ge=1)
     sparsity: StrictFloat | None = Field(default=None, gt=0.0, lt=1.0)
     keep_float16: tuple[StrictStr, ...] = ("embed_tokens", "lm_head")
+    layers: tuple[tuple[StrictStr, Compression], ...] = Field(
+        default=(),
+        description="Per-layer exceptions, {weight name pattern: settings} (first match wins; patterns match as "
+        "keep_float16's): e.g. {model.layers.0.mlp.down_proj: {nbits: 8}}. Settings merge over this block's; the "
+        "method must be this block's or none",
+    )
+    auto: AutoTargets | None = Field(
+        default=None,
+        description="Choose more bits or float16 for the layers that need them, until every function meets these "
+        "targets on its calibration text (`compression: auto` for the defaults)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layer_mapping(cls, data: Any) -> Any:
+        """``layers`` as written, a mapping of pattern to partial settings, made whole: each
+        exception's settings merged over this block's (or, naming another method, that method's
+        defaults)."""
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
+            return data
+        own = {key: data[key] for key in SETTING_FIELDS if key in data}
+        pairs = []
+        for pattern, override in data["layers"].items():
+            if not isinstance(override, dict):
+                raise ValueError(f"layers: '{pattern}' needs settings as a mapping, e.g. {{nbits: 8}}")
+            same_method = override.get("method", own.get("method", "palettize")) == own.get("method", "palettize")
+            pairs.append((pattern, {**(own if same_method else {}), **override, "keep_float16": ()}))
+        return {**data, "layers": tuple(pairs)}
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Compression:
@@ -99,10 +142,35 @@ class Compression(_Strict):
             forbid("nbits", "granularity", "group_size", "block_size", "sparsity")
         for key, value in values.items():
             object.__setattr__(self, key, value)
+        for pattern, exception in self.layers:
+            if exception.method not in (method, "none"):
+                raise ValueError(f"layers: '{pattern}' uses method {exception.method}: an exception is {method} or none")
+            if exception.layers or exception.auto is not None:
+                raise ValueError(f"layers: '{pattern}' cannot have layers or auto of its own")
+        if self.auto is not None and method != "palettize":
+            raise ValueError(f"auto chooses palettization bits: it does not apply to method '{method}'")
         return self
 
     def describe(self) -> str:
-        """Short human description, e.g. ``palettize 4-bit per_grouped_channel/16``."""
+        """Short human description, e.g. ``palettize 4-bit per_grouped_channel/16``, and how many
+        layers are exceptions (``+ 2 layers at 8-bit``)."""
+        described = self._describe_setting()
+        if self.layers:
+            kinds: dict[str, int] = {}
+            for _, exception in self.layers:
+                if exception.method == "none":
+                    kind = "float16"
+                elif exception.method == "prune":
+                    kind = f"{exception.sparsity:.0%} sparsity"
+                else:
+                    kind = f"{exception.nbits}-bit"
+                    if (exception.granularity, exception.group_size, exception.block_size) != (self.granularity, self.group_size, self.block_size):
+                        kind = exception._describe_setting().removeprefix(self.method + " ").replace("linear ", "")
+                kinds[kind] = kinds.get(kind, 0) + 1
+            described += "".join(f" + {count} layer{'s' * (count > 1)} at {kind}" for kind, count in kinds.items())
+        return described
+
+    def _describe_setting(self) -> str:
         if self.method == "palettize":
             extra = f"/{self.group_size}" if self.granularity == "per_grouped_channel" else ""
             return f"palettize {self.nbits}-bit {self.granularity}{extra}"
@@ -121,6 +189,12 @@ class Base(_Strict):
         default=None,
         description="Hub id the Swift client loads the tokenizer from (written as co.huggingface.exporters.name); "
         "default: `path` when it is a hub id, else the base's _name_or_path or folder name",
+    )
+
+    calibration: StrictStr | None = Field(
+        default=None,
+        description="Text file (relative to the manifest) of what the base is used for: palettes are weighted by the "
+        "activations it causes, and `compression.auto` measures the base function on it",
     )
 
     @field_validator("path")
@@ -146,11 +220,21 @@ class Adapter(_Strict):
     compression: dict[str, Any] | None = Field(
         default=None, description="Per-function override of the manifest's `compression` block"
     )
+    calibration: StrictStr | None = Field(
+        default=None,
+        description="Text file (relative to the manifest) of this skill's own text: palettes are weighted by the "
+        "activations it causes, and `compression.auto` measures this function on it",
+    )
 
     @field_validator("name")
     @classmethod
     def _swift_name(cls, value: str) -> str:
         return check_function_name(value)
+
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _auto_word(cls, value: Any) -> Any:
+        return _auto_shorthand(value)
 
 
 PackageFormat = Literal["mlpackage", "aimodel"]
@@ -283,6 +367,11 @@ class Manifest(_Strict):
     def _base_name(cls, value: str | None) -> str | None:
         return None if value is None else check_function_name(value)
 
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _auto_word(cls, value: Any) -> Any:
+        return _auto_shorthand(value)
+
     @model_validator(mode="after")
     def _cross_references(self) -> Manifest:
         names = self.function_names
@@ -303,6 +392,15 @@ class Manifest(_Strict):
         for adapter in self.adapters:
             if adapter.compression is not None:
                 self.compression_for(adapter.name)  # raises ValueError with the reason
+        for name in names:
+            if self.compression_for(name).auto is None:
+                continue
+            adapter = self.adapter(name)
+            if adapter is not None and self.lora_mode(name) == "keep":
+                raise ValueError(f"compression auto chooses for fused adapters: '{name}' is lora: keep")
+            if (adapter.calibration if adapter is not None else self.base.calibration) is None:
+                where = f"adapter '{name}' calibration" if adapter is not None else "base.calibration"
+                raise ValueError(f"compression auto measures '{name}' on its own text: name a text file as {where}")
         named = format_of(self.output) if self.output else None
         if named is not None and named != self.export.format:
             raise ValueError(f"output '{self.output}' is a .{named} but export.format is {self.export.format}")
@@ -328,6 +426,17 @@ class Manifest(_Strict):
 
     def adapter_path(self, adapter: Adapter) -> Path:
         return (self.folder / Path(adapter.path).expanduser()).resolve()
+
+    def calibration_paths(self) -> dict[str | None, Path]:
+        """The calibration text files the manifest names, by function: the base's under
+        ``include_base`` (None when the base is not shipped), each adapter's under its name."""
+        found: dict[str | None, Path] = {}
+        if self.base.calibration is not None:
+            found[self.include_base] = (self.folder / Path(self.base.calibration).expanduser()).resolve()
+        for adapter in self.adapters:
+            if adapter.calibration is not None:
+                found[adapter.name] = (self.folder / Path(adapter.calibration).expanduser()).resolve()
+        return found
 
     def lora_mode(self, name: str) -> Literal["fuse", "keep"]:
         adapter = self.adapter(name)
@@ -370,6 +479,11 @@ class Manifest(_Strict):
             output = str(Path(output).with_suffix(f".{package_format}"))
         export = self.export.model_copy(update={"format": package_format})
         return self.model_copy(update={"export": export, "output": output})
+
+
+def _auto_shorthand(value: Any) -> Any:
+    """``compression: auto`` is palettization with ``auto``'s default targets."""
+    return {"auto": {}} if value == "auto" else value
 
 
 def check_function_name(value: str) -> str:
@@ -514,7 +628,8 @@ def _describe_validation_error(error: ValidationError, file: Path, lines: dict[t
 
 
 def _check_paths(manifest: Manifest, file: Path, lines: dict[tuple, int]) -> None:
-    """Adapter folders must exist; the base must be a folder or look like a hub id."""
+    """Adapter folders must exist, calibration texts be files; the base must be a folder or look
+    like a hub id."""
     for index, adapter in enumerate(manifest.adapters):
         folder = manifest.adapter_path(adapter)
         line = lines.get(("adapters", index, "path"))
@@ -523,6 +638,15 @@ def _check_paths(manifest: Manifest, file: Path, lines: dict[tuple, int]) -> Non
             raise BadInput(f"{where}: adapters[{index}].path: {folder} does not exist")
         if not folder.is_dir():
             raise BadInput(f"{where}: adapters[{index}].path: {folder} is not a folder")
+    paths = manifest.calibration_paths()
+    for function, path in paths.items():
+        index = next((i for i, a in enumerate(manifest.adapters) if a.name == function), None)
+        key = ("base", "calibration") if index is None else ("adapters", index, "calibration")
+        line = lines.get(key)
+        where = f"{file}:{line}" if line else str(file)
+        field = "base.calibration" if index is None else f"adapters[{index}].calibration"
+        if not path.is_file():
+            raise BadInput(f"{where}: {field}: {path} {'is not a file' if path.exists() else 'does not exist'}")
     base = manifest.base.path
     local = (manifest.folder / Path(base).expanduser()).resolve()
     line = lines.get(("base", "path"))

@@ -169,7 +169,8 @@ def evaluate(
     ``window``: tokens per window (default and most: ``max_context - 1``; a model trained on
     shorter sequences is measured fairly with its training length). ``progress(done, total)``
     counts windows run."""
-    from adapterpack.evaluate.text import package_text, read_text_file
+    from adapterpack.evaluate.text import package_text
+    from adapterpack.inputs.text import read_text_file
     from adapterpack.verify.reference import reference_model
     from adapterpack.verify.runners import backend_for, function_sessions
 

@@ -6,7 +6,7 @@ device rules on the state sizes the export will have.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE, cache_length_findings
@@ -16,6 +16,7 @@ from adapterpack.config.manifest import Manifest, load_manifest, looks_like_hub_
 from adapterpack.errors import BadInput, warn_or_refuse
 from adapterpack.inputs.adapter import AdapterInfo, inspect_adapter
 from adapterpack.inputs.base import BaseInfo, check_weight_shapes, resolve_base
+from adapterpack.inputs.calibration import CalibrationText, read_calibration
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,10 @@ class CheckedInputs:
     manifest: Manifest
     base: BaseInfo
     adapters: dict[str, AdapterInfo]  # by function name
+    # by function name; the base's under include_base (None when the base is not shipped)
+    calibration: dict[str | None, CalibrationText] = field(default_factory=dict)
+    # by function: what compression auto chose and measured (assemble.auto), once it has run
+    auto_figures: dict[str, dict] = field(default_factory=dict)
 
     def with_format(self, package_format: str) -> CheckedInputs:
         """The same inputs, the manifest writing ``package_format`` (mlpackage | aimodel)."""
@@ -69,7 +74,8 @@ def check_inputs(
         adapters[adapter.name] = info
     if manifest.export.max_context == "auto":
         manifest = _resolve_auto_context(manifest, base, adapters)
-    return CheckedInputs(manifest=manifest, base=base, adapters=adapters)
+    calibration = {function: read_calibration(path) for function, path in manifest.calibration_paths().items()}
+    return CheckedInputs(manifest=manifest, base=base, adapters=adapters, calibration=calibration)
 
 
 def read_adapter(folder: Path, format: str | None, base, *, allow_pickle: bool, base_names: tuple[str, ...]):

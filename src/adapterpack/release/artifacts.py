@@ -164,7 +164,7 @@ def _checked_release(manifest, out_dir: Path, options: BuildOptions, *, bundle: 
     if bundle:
         check_tokenizer_files(checked)
     if eval_text is not None:
-        from adapterpack.evaluate.text import read_text_file
+        from adapterpack.inputs.text import read_text_file
 
         read_text_file(eval_text)  # a bad text file is bad input before anything is built
     return checked, f"{checked.manifest.name}{package_format.suffix}"

@@ -49,7 +49,7 @@ def check_tokenizer_files(checked) -> None:
             "tokenize without them; add the base's tokenizer, or pass --no-bundle"
         )
     # Shipped files must load: a truncated tokenizer.json would reach the app unnoticed.
-    from adapterpack.evaluate.text import load_tokenizer
+    from adapterpack.inputs.text import load_tokenizer
 
     load_tokenizer(folder)
 

@@ -1,0 +1,477 @@
+"""``compression.auto``: the fewest bytes that keep each function's behaviour on its own text.
+
+Every function whose compression has ``auto`` starts at its palettization (say 4 bits, groups of
+16) and is measured on its calibration text against itself uncompressed: its perplexity ratio,
+and for an adapter its retention (the cosine between its change of the logits from the base and
+the uncompressed adapter's). While some function misses its targets, the layers holding most of
+the remaining error move one step up a ladder of settings, fewest bytes first:
+
+    start (4-bit /16)  ->  smaller groups (4-bit /4)  ->  8-bit  ->  float16
+
+A layer's error is what its compression adds to its output on the calibration text,
+``sum_j E[x_j^2] |dW[:, j]|^2`` (the activation statistics data-aware palettes weigh by,
+``assemble.calibration``): each round moves the largest errors, together a quarter of the
+remaining error of the candidates, then measures again. Candidates are the layers shared by
+the functions that start alike (a shared base weight moves for all of them, so it stays stored
+once) and the layers a failing adapter changes (its own tensors, which cost only it).
+
+Everything is computed in float32 from the float16 weights the package stores, with the very
+palettes the build then writes (the palette store and its cache are shared), so what is measured
+is what is built; the search is deterministic and its result is kept in the build cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adapterpack.assemble.calibration import CALIBRATION_VERSION, calibration_ids, calibration_key, channel_importance
+from adapterpack.assemble.parts import content_key
+from adapterpack.config.manifest import SETTING_FIELDS, Compression
+from adapterpack.errors import BadInput
+from adapterpack.inputs.checked import CheckedInputs
+
+log = logging.getLogger(__name__)
+
+# Bump when the search changes, so choices cached by an older version are made again.
+AUTO_VERSION = 1
+# Tokens of each function's calibration text it is measured on (a bound on the search's time).
+AUTO_TOKENS = 1024
+# Share of the candidates' remaining error moved up a step per round.
+MOVE_SHARE = 0.25
+# Rounds at most: the ladder has four steps, so every layer could climb it in far fewer.
+MAX_ROUNDS = 64
+RESULT_FILE = "auto.json"
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``auto`` chose for one function, and what it measured there."""
+
+    function: str
+    compression: Compression  # the start with its per-layer exceptions
+    perplexity_ratio: float
+    retention: float | None  # adapters only
+    met: bool
+    tokens: int
+
+    def as_metadata(self) -> dict[str, object]:
+        targets = self.compression.auto
+        return {
+            "perplexity_ratio": round(self.perplexity_ratio, 5),
+            "retention": None if self.retention is None else round(self.retention, 5),
+            "max_perplexity_ratio": float(targets.max_perplexity_ratio),
+            "min_retention": float(targets.min_retention),
+            "met": self.met,
+            "tokens": self.tokens,
+            "exceptions": len(self.compression.layers),
+        }
+
+
+def ladder(start: Compression) -> list[Compression | None]:
+    """The settings a layer moves through, fewest bytes first (None: float16)."""
+    plain = start.model_copy(update={"layers": (), "auto": None, "keep_float16": ()})
+    steps: list[Compression | None] = [plain]
+    if plain.granularity == "per_grouped_channel" and plain.group_size > 4:
+        steps.append(plain.model_copy(update={"group_size": 4}))
+    if plain.nbits < 8:
+        steps.append(plain.model_copy(update={"nbits": 8}))
+    steps.append(None)
+    return steps
+
+
+def _exception(setting: Compression | None) -> dict:
+    """A ladder step as a manifest's per-layer exception (the settings it changes)."""
+    if setting is None:
+        return {"method": "none"}
+    return {key: getattr(setting, key) for key in SETTING_FIELDS if getattr(setting, key) is not None}
+
+
+def _start(compression: Compression) -> Compression:
+    return compression.model_copy(update={"layers": ()})
+
+
+@dataclass
+class _Function:
+    """One function under ``auto``: its text, its start, its own layers, its references."""
+
+    name: str
+    start: Compression
+    ids: list[int]
+    private: set[str] = field(default_factory=set)  # layers its adapter changes
+    reference_nll: float = 0.0
+    base_logits: np.ndarray | None = None  # float16, adapters only
+    effect: np.ndarray | None = None  # uncompressed adapter's logits minus the base's
+
+
+def auto_functions(checked: CheckedInputs) -> list[str]:
+    return [name for name in checked.manifest.function_names if checked.manifest.compression_for(name).auto is not None]
+
+
+def check_auto_inputs(checked: CheckedInputs) -> None:
+    """Every function under ``auto`` needs its own calibration text (BadInput naming the manifest)."""
+    for name in auto_functions(checked):
+        if name not in checked.calibration:
+            field_name = "base.calibration" if checked.manifest.adapter(name) is None else f"adapter '{name}' calibration"
+            raise BadInput(
+                f"{checked.manifest.source}: compression auto measures function '{name}' on its own text: "
+                f"name one with {field_name} (a UTF-8 text file)"
+            )
+
+
+def auto_key(checked: CheckedInputs) -> str:
+    manifest = checked.manifest
+    return content_key(
+        {
+            "auto": AUTO_VERSION,
+            "calibration": [calibration_key(checked), CALIBRATION_VERSION],
+            "functions": {
+                name: {
+                    "compression": manifest.compression_for(name).model_dump(mode="json"),
+                    "adapter": checked.adapters[name].content_hash if name in checked.adapters else None,
+                    "scale": float(manifest.adapter(name).scale) if manifest.adapter(name) is not None else None,
+                    "lora": manifest.lora_mode(name) if manifest.adapter(name) is not None else None,
+                }
+                for name in auto_functions(checked)
+            },
+        }
+    )
+
+
+def resolve_auto(checked: CheckedInputs, reporter, palettes_files, cache=None) -> tuple[CheckedInputs, dict[str, AutoChoice]]:
+    """``checked`` with every ``auto`` function's compression chosen (its per-layer exceptions
+    written into the manifest), and the choices; unchanged when no function uses ``auto``."""
+    names = auto_functions(checked)
+    if not names:
+        return checked, {}
+    check_auto_inputs(checked)
+    key = auto_key(checked)
+    stored = cache.read_file("calibration", key, RESULT_FILE) if cache is not None else None
+    choices = _from_json(stored, checked) if stored is not None else None
+    if choices is None:
+        from adapterpack.compress.palettes import PaletteStore
+
+        importance = channel_importance(checked, reporter, cache)
+        search = _Search(checked, names, PaletteStore(palettes_files, importance), reporter)
+        choices = search.run()
+        if cache is not None:
+            payload = json.dumps({name: _to_json(choice) for name, choice in choices.items()}, sort_keys=True).encode()
+            cache.write("calibration", key, {RESULT_FILE: payload}, {"base": checked.base.content_hash})
+    for choice in choices.values():
+        if not choice.met:
+            reporter.info(
+                f"auto: {choice.function} misses its targets even with every layer float16 "
+                f"(perplexity ratio {choice.perplexity_ratio:.3f}, retention {choice.retention})"
+            )
+    return _with_choices(checked, choices), choices
+
+
+def _with_choices(checked: CheckedInputs, choices: dict[str, AutoChoice]) -> CheckedInputs:
+    """The manifest with each chosen compression in place: per adapter as its override; the
+    base function's (the manifest-wide block) only when the base is under ``auto``."""
+    from dataclasses import replace
+
+    manifest = checked.manifest
+    adapters = []
+    for adapter in manifest.adapters:
+        choice = choices.get(adapter.name)
+        if choice is not None:
+            adapter = adapter.model_copy(update={"compression": choice.compression.model_dump(mode="json")})
+        adapters.append(adapter)
+    update: dict = {"adapters": tuple(adapters)}
+    if manifest.include_base in choices:
+        update["compression"] = choices[manifest.include_base].compression
+    figures = {name: choice.as_metadata() for name, choice in choices.items()}
+    return replace(checked, manifest=manifest.model_copy(update=update), auto_figures=figures)
+
+
+def _to_json(choice: AutoChoice) -> dict:
+    return {
+        "compression": choice.compression.model_dump(mode="json"),
+        "perplexity_ratio": choice.perplexity_ratio,
+        "retention": choice.retention,
+        "met": choice.met,
+        "tokens": choice.tokens,
+    }
+
+
+def _from_json(data: bytes, checked: CheckedInputs) -> dict[str, AutoChoice] | None:
+    try:
+        stored = json.loads(data)
+        return {
+            name: AutoChoice(
+                name, Compression.model_validate(value["compression"]), float(value["perplexity_ratio"]),
+                None if value["retention"] is None else float(value["retention"]), bool(value["met"]), int(value["tokens"]),
+            )
+            for name, value in stored.items()
+        }
+    except (ValueError, KeyError, TypeError):
+        log.info("build cache: a stored auto choice cannot be read: searched again")
+        return None
+
+
+class _Search:
+    """The search itself: layers' steps, their errors, and the functions measured."""
+
+    def __init__(self, checked: CheckedInputs, names: list[str], palettes, reporter):
+        self.checked, self.names, self.palettes, self.reporter = checked, names, palettes, reporter
+        self.manifest = checked.manifest
+        self.importance = palettes.importance
+        self.steps: dict[tuple[str, str], int] = {}  # (owner, layer) -> ladder step
+        self.errors: dict[tuple[str, str], float] = {}
+        self.dense: dict[tuple[str, str, int], object] = {}  # (owner, layer, step) -> float16 weight
+        self.ladders: dict[str, list[Compression | None]] = {}  # by function
+        self.eligible: dict[str, set[str]] = {}  # by function: the layers its start compresses
+        self.base_weights: dict[str, object] = {}  # layer -> the base's float16 weight
+        self.fused: dict[str, dict[str, object]] = {}  # function -> layer -> its fused float16 weight
+        self.before: dict[tuple[str, str], int] = {}  # steps of the last round's moves before it
+
+    # -- owners: a group of functions that start alike shares its base layers -------------------
+
+    def _group(self, function: _Function) -> str:
+        return "shared " + function.start.model_dump_json()
+
+    def _owner(self, function: _Function, layer: str) -> str:
+        return f"function {function.name}" if layer in function.private else self._group(function)
+
+    def run(self) -> dict[str, AutoChoice]:
+
+        from adapterpack.convert.base_model import load_base
+
+        ids = calibration_ids(self.checked)
+        with self.reporter.stage(f"auto: load the base and measure {len(self.names)} function(s) uncompressed"):
+            base = load_base(self.checked.base.folder, dtype="float16")
+            self.base_weights = {name: module.weight.detach().clone() for name, module in self._layers(base).items()}
+            functions = [self._prepare(base, name, ids[name][:AUTO_TOKENS]) for name in self.names]
+        figures: dict[str, tuple[float, float | None]] = {}
+        moved: list[tuple[str, str]] = []
+        for round_number in range(1, MAX_ROUNDS + 1):
+            with self.reporter.stage(f"auto: round {round_number}, measure {len(functions)} function(s)"):
+                figures = self._measured(base, functions)
+            failing = [f for f in functions if not self._meets(f, figures[f.name])]
+            log.debug("auto round %d: %s", round_number, figures)
+            if not failing:
+                if len(moved) > 1:
+                    with self.reporter.stage(f"auto: keep the fewest of the last round's {len(moved)} moves"):
+                        figures = self._trimmed(base, functions, moved, figures)
+                break
+            moved = self._move(failing)
+            if not moved:
+                break
+        return {f.name: self._choice(f, figures[f.name]) for f in functions}
+
+    def _measured(self, base, functions: list[_Function]) -> dict[str, tuple[float, float | None]]:
+        import torch
+
+        with torch.no_grad():
+            return {f.name: self._measure(base, f) for f in functions}
+
+    def _trimmed(self, base, functions: list[_Function], moved: list[tuple[str, str]], figures):
+        """Undo the last round's smallest moves while every function still meets its targets:
+        the fewest of them (largest errors first) that do, found by bisection; their figures."""
+
+        def keep(count: int) -> None:
+            for index, key in enumerate(moved):
+                self.steps[key] = self.before[key] + (1 if index < count else 0)
+                self.errors.pop(key, None)
+
+        best = len(moved)  # the whole round meets the targets, with ``figures``
+        low, high = 1, len(moved) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            keep(middle)
+            trial = self._measured(base, functions)
+            if all(self._meets(f, trial[f.name]) for f in functions):
+                best, figures, high = middle, trial, middle - 1
+            else:
+                low = middle + 1
+        keep(best)
+        return figures
+
+    def _meets(self, function: _Function, figures: tuple[float, float | None]) -> bool:
+        targets = function.start.auto
+        ratio, retention = figures
+        return ratio <= float(targets.max_perplexity_ratio) and (retention is None or retention >= float(targets.min_retention))
+
+    def _choice(self, function: _Function, figures: tuple[float, float | None]) -> AutoChoice:
+        steps = self.ladders[function.name]
+        exceptions = {}
+        for layer in sorted(self.eligible[function.name]):
+            step = self._step(function, layer)
+            if step:
+                exceptions[layer] = _exception(steps[step])
+        compression = Compression.model_validate({**function.start.model_dump(mode="json"), "layers": exceptions})
+        return AutoChoice(function.name, compression, figures[0], figures[1], self._meets(function, figures), len(function.ids))
+
+    # -- the functions ------------------------------------------------------------------------
+
+    def _layers(self, model) -> dict[str, object]:
+        from torch import nn
+
+        return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+    def _applied(self, base, name: str):
+        import contextlib
+
+        from adapterpack.convert.base_model import stored_weight_reader
+        from adapterpack.convert.lora import applied_adapter
+
+        adapter = self.manifest.adapter(name)
+        if adapter is None:
+            return contextlib.nullcontext(base)
+        mode = self.manifest.lora_mode(name)
+        if mode != "fuse":
+            raise BadInput(f"{self.manifest.source}: compression auto chooses for fused adapters: '{name}' is lora: {mode}")
+        folder = self.checked.adapters[name].folder
+        return applied_adapter(base, folder, mode="fuse", scale=float(adapter.scale), original_weight=stored_weight_reader(self.checked.base))
+
+    def _prepare(self, base, name: str, ids: list[int]) -> _Function:
+        import torch
+
+        from adapterpack.config.compression import weight_setting
+        from adapterpack.verify.reference import computed_in_float32
+
+        if len(ids) < 2:
+            raise BadInput(f"{self.checked.calibration[name].path}: a calibration text needs at least 2 tokens")
+        start = _start(self.manifest.compression_for(name))
+        function = _Function(name, start, ids)
+        self.ladders[name] = ladder(start)
+        with torch.no_grad(), computed_in_float32(base):
+            base_logits = self._logits(base, ids) if self.manifest.adapter(name) is not None else None
+            with self._applied(base, name) as model:
+                layers = self._layers(model)
+                self.eligible[name] = {
+                    layer for layer, module in layers.items() if weight_setting(layer, tuple(module.weight.shape), start) is not None
+                }
+                function.private = {
+                    layer for layer in self.eligible[name] if not torch.equal(layers[layer].weight, self.base_weights[layer])
+                }
+                self.fused[name] = {layer: layers[layer].weight.detach().clone() for layer in function.private}
+                logits = self._logits(model, ids)
+        function.reference_nll = _nll(logits, ids)
+        if base_logits is not None:
+            function.base_logits = base_logits.astype(np.float16)
+            function.effect = (logits - base_logits).astype(np.float16)
+        return function
+
+    def _logits(self, model, ids: list[int]) -> np.ndarray:
+        """Logits of every position but the last, window by window (float32)."""
+        import torch
+
+        from adapterpack.assemble.calibration import _window
+
+        window = _window(self.checked)
+        rows = []
+        for start in range(0, len(ids) - 1, window):
+            chunk = ids[start : min(start + window + 1, len(ids))]
+            rows.append(model(torch.tensor([chunk[:-1]])).logits[0].float().numpy())
+        return np.concatenate(rows)
+
+    def _measure(self, base, function: _Function) -> tuple[float, float | None]:
+        """(perplexity ratio, retention) of ``function`` with every layer at its current step."""
+        from adapterpack.verify.metrics import retention_of_sums
+        from adapterpack.verify.reference import computed_in_float32
+
+        with self._applied(base, function.name) as model, computed_in_float32(model):
+            layers = self._layers(model)
+            kept = {}
+            try:
+                for layer in self.eligible[function.name]:
+                    weight = layers[layer].weight
+                    kept[layer] = weight.data
+                    weight.data = self._weight(function, layer)
+                logits = self._logits(model, function.ids)
+            finally:
+                for layer, data in kept.items():
+                    layers[layer].weight.data = data
+        ratio = math.exp(_nll(logits, function.ids) - function.reference_nll)
+        if function.effect is None:
+            return ratio, None
+        change = logits.astype(np.float64) - function.base_logits
+        effect = function.effect.astype(np.float64)
+        retention = retention_of_sums(float((change * effect).sum()), float((change * change).sum()), float((effect * effect).sum()))
+        return ratio, retention
+
+    # -- layers: their steps, weights and errors ----------------------------------------------
+
+    def _step(self, function: _Function, layer: str) -> int:
+        return self.steps.get((self._owner(function, layer), layer), 0)
+
+    def _source(self, function: _Function, layer: str):
+        return self.fused[function.name][layer] if layer in function.private else self.base_weights[layer]
+
+    def _weight(self, function: _Function, layer: str):
+        """The layer's float16 weight as the package stores it at its current step."""
+        owner, step = self._owner(function, layer), self._step(function, layer)
+        found = self.dense.get((owner, layer, step))
+        if found is None:
+            found = self._compressed(layer, self._source(function, layer), self.ladders[function.name][step])
+            self.dense[(owner, layer, step)] = found
+            self.dense.pop((owner, layer, step - 1), None)
+        return found
+
+    def _compressed(self, layer: str, weight, setting: Compression | None):
+        import torch
+
+        from adapterpack.compress.palettes import grouped_rows
+
+        value = weight.detach().to(torch.float16).numpy()
+        if setting is None:
+            return torch.from_numpy(value)
+        flat = grouped_rows(value, setting)
+        luts, indices = self.palettes.tensor_palettes([flat], setting.nbits, [layer], [value.shape])[0]
+        dense = np.take_along_axis(luts.astype(np.float16), indices.astype(np.int64), axis=1)
+        return torch.from_numpy(np.ascontiguousarray(dense.reshape(value.shape)))
+
+    def _error(self, function: _Function, layer: str) -> float:
+        """What the layer's compression adds to its output: sum_j E[x_j^2] |dW[:, j]|^2."""
+        import torch
+
+        key = (self._owner(function, layer), layer)
+        if key not in self.errors:
+            source = self._source(function, layer).detach().to(torch.float16).to(torch.float64)
+            difference = self._weight(function, layer).to(torch.float64) - source
+            energy = self.importance.energies.get(layer) if self.importance is not None else None
+            column = (difference * difference).sum(dim=0).numpy()
+            self.errors[key] = float(column @ energy) if energy is not None and energy.shape == column.shape else float(column.sum())
+        return self.errors[key]
+
+    def _move(self, failing: list[_Function]) -> list[tuple[str, str]]:
+        """Move the candidates holding the largest errors up a step; the (owner, layer) moved,
+        largest error first (none when every candidate is float16 already)."""
+        candidates: dict[tuple[str, str], tuple[float, _Function]] = {}
+        groups = {self._group(f) for f in failing}
+        for function in failing:
+            for layer in self.eligible[function.name]:
+                owner = self._owner(function, layer)
+                if owner.startswith("shared") and owner not in groups:
+                    continue
+                if self._step(function, layer) + 1 < len(self.ladders[function.name]):
+                    candidates[(owner, layer)] = (self._error(function, layer), function)
+        ranked = sorted(candidates.items(), key=lambda item: (-item[1][0], item[0]))
+        total = sum(error for error, _ in candidates.values())
+        moved: list[tuple[str, str]] = []
+        share = 0.0
+        for key, (error, _function) in ranked:
+            if moved and share >= MOVE_SHARE * total:
+                break
+            moved.append(key)
+            share += error
+        self.before = {key: self.steps.get(key, 0) for key in moved}
+        for key in moved:
+            self.steps[key] = self.before[key] + 1
+            self.errors.pop(key, None)
+        log.debug("auto: moved %d layer(s) up a step", len(moved))
+        return moved
+
+
+def _nll(logits: np.ndarray, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ``ids[1:]`` under ``logits`` (one row per position)."""
+    targets = np.asarray(ids[1 : len(logits) + 1])
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(shifted).sum(axis=1))
+    return float((log_norm - shifted[np.arange(len(targets)), targets]).mean())

@@ -1,0 +1,91 @@
+"""How much each input channel of each linear layer matters, measured on calibration text.
+
+A palette that minimizes a weight's squared error treats every weight alike, but an error in
+``W[:, j]`` reaches the layer's output multiplied by the activation ``x_j``: the expected output
+error is ``sum_j E[x_j^2] * |dW[:, j]|^2``. A trained checkpoint's activations are anything but
+alike (a few channels carry the "massive activations", thousands of times the others), so
+weighting each weight's squared error by the mean square of the activation it multiplies (what
+coremltools' sensitive k-means does with gradients, and AWQ with activation scales) keeps the
+weights that matter. On SmolLM2-135M at 4 bits this takes the perplexity ratio from 7.4x to 1.3x
+at the same bytes (README, "What compression does to a real checkpoint").
+
+Weights are named as the build meets them: module paths (``model.layers.0.mlp.down_proj``), the
+checkpoint's tensor names (``...down_proj.weight``) or the traced program's constants
+(``hf_model_layers_0_mlp_down_proj_weight``); all resolve to the module path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import numpy as np
+
+# Every channel keeps this share of the mean energy: a channel the calibration text never
+# excites still gets a palette entry's worth of attention (other text may excite it).
+ENERGY_FLOOR = 1e-3
+
+
+def _flat(name: str) -> str:
+    return name.replace(".", "_").removesuffix("_weight")
+
+
+class ChannelImportance:
+    """Per linear layer (by module path): the mean square of each input channel's activation.
+
+        importance = ChannelImportance(energies)     # convert.calibration.channel_energies
+        rows = importance.rows("hf_model_layers_0_mlp_down_proj_weight", grouped)
+    """
+
+    def __init__(self, energies: dict[str, np.ndarray]):
+        self.energies = {name: np.asarray(value, dtype=np.float64) for name, value in sorted(energies.items())}
+        self._by_flat = {_flat(name): name for name in self.energies}
+        self._digests: dict[str, str] = {}
+
+    def module_of(self, name: str) -> str | None:
+        """The module path weight ``name`` belongs to (the longest whose flattened path ends
+        ``name``'s at a word boundary), or None."""
+        flat = _flat(name)
+        best = None
+        for candidate, module in self._by_flat.items():
+            if (flat == candidate or flat.endswith("_" + candidate)) and (best is None or len(candidate) > len(best[0])):
+                best = (candidate, module)
+        return best[1] if best else None
+
+    def channels(self, name: str, in_features: int) -> np.ndarray | None:
+        """The importance of each of weight ``name``'s ``in_features`` input channels (energy
+        plus the floor), or None when the layer was not measured or its width differs."""
+        module = self.module_of(name)
+        if module is None or self.energies[module].shape != (in_features,):
+            return None
+        energy = self.energies[module]
+        return energy + ENERGY_FLOOR * max(float(energy.mean()), np.finfo(np.float64).tiny)
+
+    def rows(self, name: str, shape: tuple[int, ...], flat: np.ndarray) -> np.ndarray | None:
+        """Importance laid out like ``flat`` (the weight of ``shape`` as one row per channel
+        group, ``palettes.grouped_rows``), or None (unweighted)."""
+        if len(shape) != 2:
+            return None
+        channels = self.channels(name, shape[1])
+        if channels is None:
+            return None
+        return np.broadcast_to(np.tile(channels, flat.shape[1] // shape[1]), flat.shape)
+
+    def digest(self, name: str) -> str | None:
+        """A short digest of the importance weight ``name`` is palettized with (palette cache keys)."""
+        module = self.module_of(name)
+        if module is None:
+            return None
+        if module not in self._digests:
+            self._digests[module] = hashlib.sha256(self.energies[module].tobytes()).hexdigest()[:32]
+        return self._digests[module]
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        np.savez(buffer, **{name.replace(".", "/"): value for name, value in self.energies.items()})
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ChannelImportance:
+        with np.load(io.BytesIO(data), allow_pickle=False) as stored:
+            return cls({name.replace("/", "."): stored[name] for name in stored.files})

@@ -1,0 +1,141 @@
+"""Data-aware palettes and ``compression.auto``, on the demo's trained base and its skills.
+
+Palettes weighted by the calibration text's activations must lower the error the text sees;
+``auto`` must give a layer made sensitive on purpose more bits, meet the targets it reports on
+what it builds, and record its choice.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adapterpack.assemble.auto import resolve_auto
+from adapterpack.assemble.cache import FolderPalettes
+from adapterpack.assemble.records import Reporter
+from adapterpack.compress.importance import ChannelImportance
+from adapterpack.inputs.checked import check_inputs
+from factories import invoke_cli
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "adapters" / "demo"
+SENSITIVE = "model.layers.1.mlp.down_proj"
+
+
+def test_importance_resolves_every_name_a_build_meets():
+    energies = {f"model.layers.{i}.mlp.down_proj": np.full(4, float(i + 1)) for i in (1, 11)}
+    importance = ChannelImportance(energies)
+    for name in ("model.layers.1.mlp.down_proj", "model.layers.1.mlp.down_proj.weight", "hf_model_layers_1_mlp_down_proj_weight"):
+        assert importance.module_of(name) == "model.layers.1.mlp.down_proj", name
+    assert importance.module_of("hf_model_layers_11_mlp_down_proj_weight") == "model.layers.11.mlp.down_proj"
+    assert importance.module_of("model.layers.2.mlp.down_proj") is None
+    assert importance.channels("model.layers.1.mlp.down_proj", 5) is None  # another width: unweighted
+    rows = importance.rows("model.layers.11.mlp.down_proj", (8, 4), np.zeros((2, 16)))
+    assert rows.shape == (2, 16) and float(rows[0, 0]) == pytest.approx(12.0 * (1 + 1e-3))
+    assert ChannelImportance.from_bytes(importance.to_bytes()).energies.keys() == importance.energies.keys()
+
+
+def _manifest(root: Path, base: Path, *, adapters: tuple[str, ...] = (), compression: str = "{method: palettize}") -> Path:
+    entries = "".join(
+        f"  - {{name: {name}, path: {DEMO / name}, calibration: {DEMO / 'calibration' / name}.txt}}\n" for name in adapters
+    )
+    text = (
+        f"name: cal\nbase: {{path: {base}, calibration: {DEMO / 'calibration' / 'base.txt'}}}\ninclude_base: base\n"
+        f"export: {{max_context: 256}}\ncompression: {compression}\n" + (f"adapters:\n{entries}" if entries else "")
+    )
+    path = root / "m.yaml"
+    path.write_text(text)
+    return path
+
+
+def _sensitive_base(folder: Path) -> Path:
+    """The demo base with one MLP made to dominate the residual stream: its ``down_proj``
+    multiplied by 10, so its compression error, 10 times larger too, swamps every other layer's
+    (each layer's relative error is what it was; data-aware weighting cannot remove it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(DEMO / "base", folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight *= 10.0
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _choice(tmp_path: Path, base: Path, compression: str):
+    checked = check_inputs(_manifest(tmp_path, base, compression=compression))
+    _, choices = resolve_auto(checked, Reporter(), FolderPalettes(tmp_path / "palettes"))
+    return choices["base"]
+
+
+def test_auto_gives_more_bits_to_a_layer_made_sensitive(tmp_path):
+    compression = "{auto: {max_perplexity_ratio: 1.01}}"
+    for folder in ("control", "sensitive"):
+        (tmp_path / folder).mkdir()
+    control = _choice(tmp_path / "control", DEMO / "base", compression)
+    sensitive = _choice(tmp_path / "sensitive", _sensitive_base(tmp_path / "sensitive" / "base"), compression)
+    chosen = dict(sensitive.compression.layers)
+    assert SENSITIVE in chosen, sensitive.compression.layers
+    assert chosen[SENSITIVE].method == "none" or chosen[SENSITIVE].nbits > 4 or chosen[SENSITIVE].group_size < 16
+    assert SENSITIVE not in dict(control.compression.layers), control.compression.layers
+    for choice in (control, sensitive):
+        assert choice.met and choice.perplexity_ratio <= 1.01 and choice.retention is None
+
+
+@pytest.fixture(scope="module")
+def auto_build(tmp_path_factory):
+    """The demo's base and two skills under ``compression: auto``, built with a cache."""
+    root = tmp_path_factory.mktemp("auto")
+    manifest = _manifest(root, DEMO / "base", adapters=("code", "zen"), compression="{auto: {max_perplexity_ratio: 1.03, min_retention: 0.9}}")
+    result = invoke_cli("build", manifest, "--output", root / "auto.mlpackage", "--cache-dir", root / "cache", "-q")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return root, manifest, result
+
+
+def test_auto_records_its_choice_and_figures(auto_build):
+    from adapterpack.formats.metadata import METADATA_PREFIX
+    from adapterpack.formats.mlpackage.functions import package_metadata
+
+    root, _, result = auto_build
+    functions = json.loads(package_metadata(root / "auto.mlpackage")[METADATA_PREFIX + "functions"])
+    assert set(functions) == {"code", "zen", "base"}
+    for name, recorded in functions.items():
+        figures = recorded["auto"]
+        assert figures["met"] and figures["perplexity_ratio"] <= 1.03 and figures["max_perplexity_ratio"] == 1.03
+        assert (figures["retention"] is None) == (name == "base")
+        assert name == "base" or figures["retention"] >= 0.9
+        assert "data-aware" in recorded["compression"]
+        assert ("layer" in recorded["compression"]) == (figures["exceptions"] > 0)
+    assert "data-aware" in result.stdout
+    assert any((root / "cache" / "calibration").glob("*/auto.json"))
+
+
+def test_auto_choice_meets_its_targets_on_what_was_built(auto_build):
+    """The package's own perplexity ratio on a function's calibration text (the ML Program
+    executed in float16) stays within auto's target, as auto measured it in float32."""
+    root, manifest, _ = auto_build
+    result = invoke_cli(
+        "eval", root / "auto.mlpackage", "--text", DEMO / "calibration" / "code.txt", "--manifest", manifest,
+        "--function", "code", "--json",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    (code,) = [f for f in report["functions"] if f["function"] == "code"]
+    assert code["ratio"] <= 1.03 * 1.01
+    assert code["retention"] >= 0.9 * 0.99
+
+
+def test_a_calibration_text_that_is_not_text_is_bad_input(tmp_path):
+    binary = tmp_path / "calibration.bin"
+    binary.write_bytes(b"\x00\x01\x02 not text")
+    manifest = _manifest(tmp_path, DEMO / "base")
+    manifest.write_text(manifest.read_text().replace(str(DEMO / "calibration" / "base.txt"), str(binary)))
+    result = invoke_cli("build", manifest, "--output", tmp_path / "out.mlpackage", "-q")
+    assert result.returncode == 2
+    assert str(binary) in result.stdout + result.stderr
+    assert not (tmp_path / "out.mlpackage").exists()
