@@ -163,6 +163,7 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
     """``texts``: one text file for every function, or a folder of ``<function>.txt``."""
     from adapterpack.assemble.calibration import channel_importance
     from adapterpack.assemble.records import Reporter
+    from adapterpack.config.manifest import Compression
     from adapterpack.convert.base_model import load_base
     from adapterpack.inputs.checked import check_inputs
     from adapterpack.inputs.text import load_tokenizer
@@ -175,7 +176,11 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
         return texts / f"{function}.txt" if texts.is_dir() else texts
 
     results: dict = {"manifest": str(manifest), "text": str(texts), "window": window, "functions": {}, "tokens": {}}
-    importance = channel_importance(checked, Reporter()) if any(label.endswith(("data-aware", "auto")) for label in compressions) else None
+    importance = None
+    if any(label.endswith(("data-aware", "auto")) for label in compressions):
+        # the statistics a palettizing build of this manifest weighs by, whatever it compresses with
+        palettized = checked.manifest.model_copy(update={"compression": Compression(method="palettize")})
+        importance = channel_importance(replace(checked, manifest=palettized), Reporter())
     settings = {label: chosen(checked, label, auto_targets) for label in compressions}
     base = load_base(checked.base.folder, dtype="float32").eval()
     for function in names:

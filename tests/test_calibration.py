@@ -87,47 +87,35 @@ def test_auto_gives_more_bits_to_a_layer_made_sensitive(tmp_path):
         assert choice.met and choice.perplexity_ratio <= 1.01 and choice.retention is None
 
 
-@pytest.fixture(scope="module")
-def auto_build(tmp_path_factory):
-    """The demo's base and two skills under ``compression: auto``, built with a cache."""
-    root = tmp_path_factory.mktemp("auto")
-    manifest = _manifest(root, DEMO / "base", adapters=("code", "zen"), compression="{auto: {max_perplexity_ratio: 1.03, min_retention: 0.9}}")
-    result = invoke_cli("build", manifest, "--output", root / "auto.mlpackage", "--cache-dir", root / "cache", "-q")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return root, manifest, result
-
-
-def test_auto_records_its_choice_and_figures(auto_build):
+def test_auto_records_its_choice_and_figures(demo):
+    """The shipped demo is built under ``compression: auto`` (manifests/demo.yaml)."""
     from adapterpack.formats.metadata import METADATA_PREFIX
     from adapterpack.formats.mlpackage.functions import package_metadata
 
-    root, _, result = auto_build
-    functions = json.loads(package_metadata(root / "auto.mlpackage")[METADATA_PREFIX + "functions"])
-    assert set(functions) == {"code", "zen", "base"}
+    functions = json.loads(package_metadata(demo.output)[METADATA_PREFIX + "functions"])
+    assert set(functions) == {"code", "docs", "zen", "base"}
     for name, recorded in functions.items():
         figures = recorded["auto"]
-        assert figures["met"] and figures["perplexity_ratio"] <= 1.03 and figures["max_perplexity_ratio"] == 1.03
+        assert figures["met"] and figures["perplexity_ratio"] <= 1.05 and figures["max_perplexity_ratio"] == 1.05
         assert (figures["retention"] is None) == (name == "base")
         assert name == "base" or figures["retention"] >= 0.9
         assert "data-aware" in recorded["compression"]
         assert ("layer" in recorded["compression"]) == (figures["exceptions"] > 0)
-    assert "data-aware" in result.stdout
-    assert any((root / "cache" / "calibration").glob("*/auto.json"))
+    cache = demo.output.parent / "cache"
+    assert any((cache / "calibration").glob("*/auto.json"))
 
 
-def test_auto_choice_meets_its_targets_on_what_was_built(auto_build):
-    """The package's own perplexity ratio on a function's calibration text (the ML Program
-    executed in float16) stays within auto's target, as auto measured it in float32."""
-    root, manifest, _ = auto_build
+def test_auto_choice_meets_its_targets_on_what_was_built(demo):
+    """The package's own perplexity ratio and retention on a function's calibration text (the ML
+    Program executed in float16, over the whole text) stay within auto's targets, as auto measured
+    them in float32 on the text's first tokens."""
     result = invoke_cli(
-        "eval", root / "auto.mlpackage", "--text", DEMO / "calibration" / "code.txt", "--manifest", manifest,
+        "eval", demo.output, "--text", DEMO / "calibration" / "code.txt", "--manifest", REPO / "manifests" / "demo.yaml",
         "--function", "code", "--json",
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(result.stdout)
-    (code,) = [f for f in report["functions"] if f["function"] == "code"]
-    assert code["ratio"] <= 1.03 * 1.01
-    assert code["retention"] >= 0.9 * 0.99
+    (code,) = [f for f in json.loads(result.stdout)["functions"] if f["function"] == "code"]
+    assert code["ratio"] <= 1.05 and code["retention"] >= 0.9, code
 
 
 def test_a_calibration_text_that_is_not_text_is_bad_input(tmp_path):

@@ -3,7 +3,8 @@
 Every function whose compression has ``auto`` starts at its palettization (say 4 bits, groups of
 16) and is measured on its calibration text against itself uncompressed: its perplexity ratio,
 and for an adapter its retention (the cosine between its change of the logits from the base and
-the uncompressed adapter's). While some function misses its targets, the layers holding most of
+the uncompressed adapter's; a kept adapter counts as its low-rank change, exact, on the compressed
+base). While some function misses its targets, the layers holding most of
 the remaining error move one step up a ladder of settings, fewest bytes first:
 
     start (4-bit /16)  ->  smaller groups (4-bit /4)  ->  8-bit  ->  float16
@@ -11,7 +12,9 @@ the remaining error move one step up a ladder of settings, fewest bytes first:
 A layer's error is what its compression adds to its output on the calibration text,
 ``sum_j E[x_j^2] |dW[:, j]|^2`` (the activation statistics data-aware palettes weigh by,
 ``assemble.calibration``): each round moves the largest errors, together a quarter of the
-remaining error of the candidates, then measures again. Candidates are the layers shared by
+remaining error of the candidates and at least twice as many layers as the round before, then
+measures again; once every function meets its targets, the last round's moves are bisected
+down to the fewest (largest errors first) that still do. Candidates are the layers shared by
 the functions that start alike (a shared base weight moves for all of them, so it stays stored
 once) and the layers a failing adapter changes (its own tensors, which cost only it).
 
@@ -102,7 +105,9 @@ class _Function:
     name: str
     start: Compression
     ids: list[int]
-    private: set[str] = field(default_factory=set)  # layers its adapter changes
+    private: set[str] = field(default_factory=set)  # layers its fused adapter changes (its own tensors)
+    # a kept adapter: its exact low-rank change per layer (float32), added to the compressed base
+    deltas: dict[str, object] = field(default_factory=dict)
     reference_nll: float = 0.0
     base_logits: np.ndarray | None = None  # float16, adapters only
     effect: np.ndarray | None = None  # uncompressed adapter's logits minus the base's
@@ -323,9 +328,7 @@ class _Search:
         adapter = self.manifest.adapter(name)
         if adapter is None:
             return contextlib.nullcontext(base)
-        mode = self.manifest.lora_mode(name)
-        if mode != "fuse":
-            raise BadInput(f"{self.manifest.source}: compression auto chooses for fused adapters: '{name}' is lora: {mode}")
+        # A kept adapter is fused here too: its change is taken from the difference (see _prepare).
         folder = self.checked.adapters[name].folder
         return applied_adapter(base, folder, mode="fuse", scale=float(adapter.scale), original_weight=stored_weight_reader(self.checked.base))
 
@@ -347,10 +350,15 @@ class _Search:
                 self.eligible[name] = {
                     layer for layer, module in layers.items() if weight_setting(layer, tuple(module.weight.shape), start) is not None
                 }
-                function.private = {
+                changed = {
                     layer for layer in self.eligible[name] if not torch.equal(layers[layer].weight, self.base_weights[layer])
                 }
-                self.fused[name] = {layer: layers[layer].weight.detach().clone() for layer in function.private}
+                if self.manifest.adapter(name) is not None and self.manifest.lora_mode(name) == "keep":
+                    # the package keeps the base's weights (shared) and the LoRA matrices in float16
+                    function.deltas = {layer: layers[layer].weight.float() - self.base_weights[layer].float() for layer in changed}
+                else:
+                    function.private = changed
+                    self.fused[name] = {layer: layers[layer].weight.detach().clone() for layer in changed}
                 logits = self._logits(model, ids)
         function.reference_nll = _nll(logits, ids)
         if base_logits is not None:
@@ -383,7 +391,8 @@ class _Search:
                 for layer in self.eligible[function.name]:
                     weight = layers[layer].weight
                     kept[layer] = weight.data
-                    weight.data = self._weight(function, layer)
+                    stored = self._weight(function, layer)
+                    weight.data = stored.float() + function.deltas[layer] if layer in function.deltas else stored
                 logits = self._logits(model, function.ids)
             finally:
                 for layer, data in kept.items():
@@ -456,8 +465,11 @@ class _Search:
         total = sum(error for error, _ in candidates.values())
         moved: list[tuple[str, str]] = []
         share = 0.0
+        # at least twice as many as last round: a long tail of similar errors is crossed in a
+        # few rounds, and the last round's excess is bisected away (_trimmed)
+        at_least = 2 * len(self.before)
         for key, (error, _function) in ranked:
-            if moved and share >= MOVE_SHARE * total:
+            if len(moved) >= at_least and share >= MOVE_SHARE * total:
                 break
             moved.append(key)
             share += error

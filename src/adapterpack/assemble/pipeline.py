@@ -200,8 +200,8 @@ def keep_mode_estimate(checked: CheckedInputs, result: BuildResult) -> int | Non
 
 def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | None = None) -> tuple[str, str]:
     """(key, restore prefix) for a CI cache of the build cache (actions/cache): the key changes
-    with anything that changes what the cache holds (the base's and adapters' content, the
-    manifest's settings, tool and library versions; ``function`` for a fan-out job's part); the
+    with anything that changes what the cache holds (the base's, adapters' and calibration
+    texts' content, the manifest's settings, tool and library versions; ``function`` for a fan-out job's part); the
     prefix matches every cache of the same base and versions, so a build whose adapters changed
     still restores the converted base and palettes. Costs one read of the inputs (the content
     hashes every build computes), not a hash of the cache."""
@@ -217,6 +217,7 @@ def cache_key(manifest: Manifest | str | Path | CheckedInputs, function: str | N
         "shared": shared,
         "manifest": m.model_dump(mode="json", exclude={"source", "output"}),
         "adapters": {name: info.content_hash for name, info in checked.adapters.items()},
+        "calibration": {str(name): text.sha256 for name, text in checked.calibration.items()},
         "function": function,
     })[:16]
     prefix = f"adapterpack-{versions['adapterpack']}-{m.name}-{shared}-"

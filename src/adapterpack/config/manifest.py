@@ -396,8 +396,11 @@ class Manifest(_Strict):
             if self.compression_for(name).auto is None:
                 continue
             adapter = self.adapter(name)
-            if adapter is not None and self.lora_mode(name) == "keep":
-                raise ValueError(f"compression auto chooses for fused adapters: '{name}' is lora: keep")
+            if adapter is not None and self.lora_mode(name) == "keep" and self.lora_compression.method != "none":
+                raise ValueError(
+                    f"compression auto measures kept adapters with float16 LoRA matrices: '{name}' is lora: keep "
+                    "with a lora_compression"
+                )
             if (adapter.calibration if adapter is not None else self.base.calibration) is None:
                 where = f"adapter '{name}' calibration" if adapter is not None else "base.calibration"
                 raise ValueError(f"compression auto measures '{name}' on its own text: name a text file as {where}")
