@@ -13,8 +13,6 @@ code and prose alike.
 
 from __future__ import annotations
 
-import ast
-import inspect
 import sys
 from pathlib import Path
 
@@ -34,17 +32,7 @@ def _cut(text: str, start: int, size: int) -> str:
 
 
 def main() -> None:
-    code, prose = [], []
-    for index, (_path, text) in enumerate(train_demo.stdlib_sources()):
-        if index % train_demo.HELD_OUT_EVERY:
-            continue  # a training file
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        code.append(train_demo.strip_docstrings(text, tree))
-        for _owner, expr in train_demo._docstring_nodes(tree):
-            prose.extend(train_demo.prose_paragraphs(inspect.cleandoc(expr.value.value)))
+    code, prose = demo_heldout.held_out_sources()
     code_text, prose_text = "\n".join(code), "\n\n".join(prose)
     license_path = train_demo.stdlib_root() / "LICENSE.txt"
     license_text = license_path.read_text(encoding="utf-8") if license_path.is_file() else ""

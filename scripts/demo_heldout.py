@@ -23,7 +23,9 @@ CODE_BYTES = 4000
 PROSE_BYTES = 3000
 
 
-def main() -> None:
+def held_out_sources() -> tuple[list[str], list[str]]:
+    """(code with docstrings removed, docstring prose paragraphs) of the files the demo's
+    training holds out, as its ``code`` and ``docs`` corpora are made."""
     code, prose = [], []
     for index, (_path, text) in enumerate(train_demo.stdlib_sources()):
         if index % train_demo.HELD_OUT_EVERY:
@@ -35,6 +37,11 @@ def main() -> None:
         code.append(train_demo.strip_docstrings(text, tree))
         for _owner, expr in train_demo._docstring_nodes(tree):
             prose.extend(train_demo.prose_paragraphs(inspect.cleandoc(expr.value.value)))
+    return code, prose
+
+
+def main() -> None:
+    code, prose = held_out_sources()
     text = "\n".join(code)[:CODE_BYTES].rsplit("\n", 1)[0] + "\n\n" + "\n\n".join(prose)[:PROSE_BYTES].rsplit("\n", 1)[0] + "\n"
     OUT.write_text(text, encoding="utf-8")
     print(f"{OUT}: {len(text.encode())} bytes")

@@ -370,9 +370,9 @@ class _Search:
         """Logits of every position but the last, window by window (float32)."""
         import torch
 
-        from adapterpack.assemble.calibration import _window
+        from adapterpack.assemble.calibration import calibration_window
 
-        window = _window(self.checked)
+        window = calibration_window(self.checked)
         rows = []
         for start in range(0, len(ids) - 1, window):
             chunk = ids[start : min(start + window + 1, len(ids))]

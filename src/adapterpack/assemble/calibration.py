@@ -38,12 +38,12 @@ def calibration_key(checked: CheckedInputs, function: str | None = None) -> str 
             "base": checked.base.content_hash,
             "texts": [text.sha256 for text in checked.calibration.values()],
             "tokens": CALIBRATION_TOKENS,
-            "window": _window(checked),
+            "window": calibration_window(checked),
         }
     )
 
 
-def _window(checked: CheckedInputs) -> int:
+def calibration_window(checked: CheckedInputs) -> int:
     return min(CALIBRATION_WINDOW, int(checked.manifest.export.max_context))
 
 
@@ -78,7 +78,7 @@ def channel_importance(checked: CheckedInputs, reporter, cache=None) -> ChannelI
     with reporter.stage(f"calibration: activations of {len(texts)} text(s), {tokens:,} tokens, on the base"):
         base = load_base(checked.base.folder, dtype=stored_dtype(checked.base))
         with computed_in_float32(base):
-            importance = ChannelImportance(channel_energies(base, list(texts.values()), _window(checked)))
+            importance = ChannelImportance(channel_energies(base, list(texts.values()), calibration_window(checked)))
         del base
     if cache is not None:
         cache.write("calibration", key, {ENERGIES_FILE: importance.to_bytes()}, {"base": checked.base.content_hash})
