@@ -261,7 +261,7 @@ def test_an_asset_without_its_extra_is_one_line(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_demo_keep_asset_is_within_a_tenth_of_the_kept_mlpackage(tmp_path):
     """The issue's size bound: the kept .aimodel is at most 1.10x the kept .mlpackage."""
-    text = DEMO.read_text().replace("lora: fuse", "lora: keep").replace("path: ../adapters", f"path: {DEMO.parents[1]}/adapters")
+    text = DEMO.read_text().replace("lora: fuse", "lora: keep").replace(": ../adapters", f": {DEMO.parents[1]}/adapters")
     manifest = tmp_path / "keep.yaml"
     manifest.write_text(text.replace("output: ../build/demo.mlpackage\n", ""))
     options = BuildOptions(use_cache=False, verify=False)
