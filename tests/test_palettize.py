@@ -132,6 +132,23 @@ def test_palettes_do_not_depend_on_what_they_are_batched_with(monkeypatch):
         np.testing.assert_array_equal(idx_a, idx_b)
 
 
+@pytest.mark.parametrize("nbits", [2, 4, 6, 8])
+@pytest.mark.parametrize("weighted", [False, True], ids=["data-free", "weighted"])
+def test_each_group_is_clustered_as_if_alone(nbits, weighted):
+    """Heavy-tailed, Gaussian and few-valued groups: a group whose Lloyd steps stop at their cap
+    is no fixed point, so steps taken for other groups of its batch would change its palette."""
+    rng = np.random.default_rng(1)
+    groups = np.concatenate(
+        [rng.standard_t(2.5, (12, 256)), rng.normal(size=(12, 256)), np.round(rng.normal(size=(8, 256)) * 3) / 3]
+    ).astype(np.float16)
+    importance = rng.random(groups.shape) ** 3 if weighted else None
+    luts, labels = kmeans_1d(groups, nbits, importance=importance)
+    for row in range(len(groups)):
+        alone = kmeans_1d(groups[row : row + 1], nbits, importance=None if importance is None else importance[row : row + 1])
+        np.testing.assert_array_equal(alone[0][0], luts[row], err_msg=f"row {row}")
+        np.testing.assert_array_equal(alone[1][0], labels[row], err_msg=f"row {row}")
+
+
 def test_disk_cache_returns_what_was_computed(tmp_path):
     from adapterpack.assemble.cache import BuildCache
 

@@ -41,7 +41,7 @@ from adapterpack.inputs.checked import CheckedInputs
 log = logging.getLogger(__name__)
 
 # Bump when the search changes, so choices cached by an older version are made again.
-AUTO_VERSION = 1
+AUTO_VERSION = 2
 # Tokens of each function's calibration text it is measured on (a bound on the search's time).
 AUTO_TOKENS = 1024
 # Share of the candidates' remaining error moved up a step per round.
@@ -255,8 +255,10 @@ class _Search:
         figures: dict[str, tuple[float, float | None]] = {}
         moved: list[tuple[str, str]] = []
         for round_number in range(1, MAX_ROUNDS + 1):
-            with self.reporter.stage(f"auto: round {round_number}, measure {len(functions)} function(s)"):
-                figures = self._measured(base, functions)
+            # only the functions a move reaches are measured again (all of them at first)
+            touched = self._touched(functions, moved) if figures else functions
+            with self.reporter.stage(f"auto: round {round_number}, measure {len(touched)} function(s)"):
+                figures = {**figures, **self._measured(base, touched)}
             failing = [f for f in functions if not self._meets(f, figures[f.name])]
             log.debug("auto round %d: %s", round_number, figures)
             if not failing:
@@ -272,8 +274,15 @@ class _Search:
     def _measured(self, base, functions: list[_Function]) -> dict[str, tuple[float, float | None]]:
         import torch
 
+        self._compress_pending(functions)
         with torch.no_grad():
             return {f.name: self._measure(base, f) for f in functions}
+
+    def _touched(self, functions: list[_Function], moved: list[tuple[str, str]]) -> list[_Function]:
+        """The functions whose stored weights ``moved`` changes: a function's own layers reach
+        only it; a shared layer reaches every function of its group that does not hold its own
+        fused weight there."""
+        return [f for f in functions if any(owner == self._owner(f, layer) for owner, layer in moved)]
 
     def _trimmed(self, base, functions: list[_Function], moved: list[tuple[str, str]], figures):
         """Undo the last round's smallest moves while every function still meets its targets:
@@ -285,11 +294,12 @@ class _Search:
                 self.errors.pop(key, None)
 
         best = len(moved)  # the whole round meets the targets, with ``figures``
+        touched = self._touched(functions, moved)
         low, high = 1, len(moved) - 1
         while low <= high:
             middle = (low + high) // 2
             keep(middle)
-            trial = self._measured(base, functions)
+            trial = {**figures, **self._measured(base, touched)}
             if all(self._meets(f, trial[f.name]) for f in functions):
                 best, figures, high = middle, trial, middle - 1
             else:
@@ -424,17 +434,44 @@ class _Search:
         return found
 
     def _compressed(self, layer: str, weight, setting: Compression | None):
+        return self._compressed_together([(layer, weight, setting)])[0]
+
+    def _compressed_together(self, wanted: list[tuple[str, object, Compression | None]]) -> list[object]:
+        """Each (layer, weight, setting) as the package stores it, float16; the palettized ones
+        clustered in one batch (a Lloyd step costs about as much for one small tensor as for many)."""
         import torch
 
         from adapterpack.compress.palettes import grouped_rows
 
-        value = weight.detach().to(torch.float16).numpy()
-        if setting is None:
-            return torch.from_numpy(value)
-        flat = grouped_rows(value, setting)
-        luts, indices = self.palettes.tensor_palettes([flat], setting.nbits, [layer], [value.shape])[0]
-        dense = np.take_along_axis(luts.astype(np.float16), indices.astype(np.int64), axis=1)
-        return torch.from_numpy(np.ascontiguousarray(dense.reshape(value.shape)))
+        values = [weight.detach().to(torch.float16).numpy() for _, weight, _ in wanted]
+        made: list[object] = [torch.from_numpy(value) for value in values]
+        clustered = [i for i, (_, _, setting) in enumerate(wanted) if setting is not None]
+        found = (
+            self.palettes.tensor_palettes(
+                [grouped_rows(values[i], wanted[i][2]) for i in clustered],
+                [wanted[i][2].nbits for i in clustered],
+                [wanted[i][0] for i in clustered],
+                [values[i].shape for i in clustered],
+            )
+            if clustered
+            else []
+        )
+        for i, (luts, indices) in zip(clustered, found):
+            dense = np.take_along_axis(luts.astype(np.float16), indices.astype(np.int64), axis=1)
+            made[i] = torch.from_numpy(np.ascontiguousarray(dense.reshape(values[i].shape)))
+        return made
+
+    def _compress_pending(self, functions: list[_Function]) -> None:
+        """Every weight ``functions`` read at their current steps, compressed now, together."""
+        wanted: dict[tuple[str, str, int], tuple[str, object, Compression | None]] = {}
+        for function in functions:
+            for layer in sorted(self.eligible[function.name]):
+                owner, step = self._owner(function, layer), self._step(function, layer)
+                if (owner, layer, step) not in self.dense:
+                    wanted[(owner, layer, step)] = (layer, self._source(function, layer), self.ladders[function.name][step])
+        for (owner, layer, step), dense in zip(wanted, self._compressed_together(list(wanted.values()))):
+            self.dense[(owner, layer, step)] = dense
+            self.dense.pop((owner, layer, step - 1), None)
 
     def _error(self, function: _Function, layer: str) -> float:
         """What the layer's compression adds to its output: sum_j E[x_j^2] |dW[:, j]|^2."""

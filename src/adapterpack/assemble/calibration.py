@@ -23,6 +23,9 @@ CALIBRATION_VERSION = 1
 # Tokens per forward while measuring (at most the cache length).
 CALIBRATION_WINDOW = 512
 ENERGIES_FILE = "energies.npz"
+# The statistics last measured in this process, by calibration key: a build without a cache
+# (or a build_parts after auto) reads them again instead of running the base once more.
+_LAST_MEASURED: dict[str, ChannelImportance] = {}
 
 
 def calibration_key(checked: CheckedInputs, function: str | None = None) -> str | None:
@@ -63,6 +66,8 @@ def channel_importance(checked: CheckedInputs, reporter, cache=None) -> ChannelI
     if not any(calibration_key(checked, name) for name in manifest.function_names):
         return None
     key = calibration_key(checked)
+    if key in _LAST_MEASURED:
+        return _LAST_MEASURED[key]
     stored = cache.read_file("calibration", key, ENERGIES_FILE) if cache is not None else None
     if stored is not None:
         try:
@@ -82,4 +87,6 @@ def channel_importance(checked: CheckedInputs, reporter, cache=None) -> ChannelI
         del base
     if cache is not None:
         cache.write("calibration", key, {ENERGIES_FILE: importance.to_bytes()}, {"base": checked.base.content_hash})
+    _LAST_MEASURED.clear()
+    _LAST_MEASURED[key] = importance
     return importance

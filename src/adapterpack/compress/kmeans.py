@@ -175,8 +175,9 @@ class _SortedRows:
             moved[rows, merge] = _means(together, sums[rows, merge] + sums[rows, merge + 1], centroids[rows, merge])
             halves = _means(half_counts, half_sums, means[:, :, None])[rows, split]
             moved[rows, merge + 1], moved[rows, split] = halves[:, 0], halves[:, 1]
-            moved = torch.where(better[:, None], moved, centroids)
-            centroids = self.lloyd(torch.sort(moved, dim=1)[0], MOVE_STEPS)
+            # only the groups that moved take Lloyd steps: a group's palette must not depend on
+            # the groups it is batched with (one that stopped at the step cap is no fixed point)
+            centroids = torch.where(better[:, None], self.lloyd(torch.sort(moved, dim=1)[0], MOVE_STEPS), centroids)
         return centroids
 
 

@@ -28,7 +28,7 @@ from adapterpack.config.manifest import Compression
 log = logging.getLogger(__name__)
 
 # Bump when the k-means changes, so palettes cached on disk by an older version are not reused.
-PALETTE_ALGORITHM = "kmeans1d-grown-lloyd-moves-v2"
+PALETTE_ALGORITHM = "kmeans1d-grown-lloyd-moves-v3"
 # Rows of k-means solved at once: bounds the temporary sort/prefix-sum buffers.
 PRIME_BATCH_VALUES = 1 << 24
 
