@@ -540,6 +540,24 @@ def test_generated_hostile_inputs_through_every_command_at_length(demo_project, 
     _hostile_case(demo_project, tmp_path_factory.mktemp("case"), *case)
 
 
+@pytest.mark.parametrize("command", ["build", "release"])
+def test_a_config_field_transformers_refuses_is_bad_input(demo_project, tmp_path, monkeypatch, command):
+    """A config.json field of the wrong type passes the JSON checks but not transformers' own
+    config validation (huggingface_hub's strict dataclasses, an exception of its own kind): exit
+    2 naming the base, the previous package intact (found by the generated cases at length)."""
+    import json
+
+    from factories import invoke_cli
+
+    monkeypatch.delenv("ADAPTERPACK_DEBUG", raising=False)
+    key = sorted(json.loads((demo_project / "base" / "config.json").read_text())).index("tie_word_embeddings")
+    # documented exit, one error line, no traceback, every input and the package unchanged
+    _hostile_case(demo_project, tmp_path, command, "json type", "base/config.json", key, [1, "a"], None)
+    root = tmp_path / "p"
+    result = invoke_cli(*_commands(root, root / PACKAGE, root / PACKAGE)[command])
+    assert result.returncode == 2 and f"{root / 'base'}: " in result.stderr and "tie_word_embeddings" in result.stderr, result.stderr
+
+
 def test_a_broken_tokenizer_file_is_refused_by_validate_as_by_release(tmp_path):
     """validate runs the checks build and release run: a truncated tokenizer.json is exit 2
     naming it, before any heavy work (release loads it fully before shipping it)."""

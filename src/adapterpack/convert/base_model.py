@@ -20,6 +20,7 @@ def load_base(folder: Path, dtype: str = "float32"):
     """
     silence_libraries()
     import torch
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoModelForCausalLM
 
     try:
@@ -31,7 +32,9 @@ def load_base(folder: Path, dtype: str = "float32"):
                 trust_remote_code=False,
                 local_files_only=True,
             )
-    except (OSError, ValueError, KeyError, RuntimeError) as error:
+    # StrictDataclassError: a config.json field of the wrong type (transformers validates its
+    # config classes with huggingface_hub's strict dataclasses, which raise neither of the others)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, StrictDataclassError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise BadInput(f"{folder}: transformers cannot load this base model: {first}") from None
     model.eval()
