@@ -26,6 +26,30 @@ DEMO = REPO / "adapters" / "demo"
 SENSITIVE = "model.layers.1.mlp.down_proj"
 
 
+def test_a_round_measures_again_only_the_functions_its_moves_reach():
+    """An adapter's own (fused) layer reaches only it; a shared base layer reaches every function
+    that starts alike, except one holding its own fused weight there; another start is apart."""
+    from adapterpack.assemble.auto import _Function, _Search
+    from adapterpack.config.manifest import Compression
+
+    start = Compression(method="palettize", nbits=4)
+    other = Compression(method="palettize", nbits=6)
+    chat = _Function("chat", start, [1, 2], private={"model.layers.0.mlp.down_proj"})
+    code, base, wide = _Function("code", start, [1, 2]), _Function("base", start, [1, 2]), _Function("wide", other, [1, 2])
+    functions = [chat, code, base, wide]
+    search = _Search.__new__(_Search)  # only the owners are consulted
+    shared = search._group(chat)
+
+    def reached(moved):
+        return [f.name for f in search._touched(functions, moved)]
+
+    assert reached([("function chat", "model.layers.0.mlp.down_proj")]) == ["chat"]
+    assert reached([(shared, "model.layers.1.self_attn.q_proj")]) == ["chat", "code", "base"]
+    assert reached([(shared, "model.layers.0.mlp.down_proj")]) == ["code", "base"]
+    assert reached([(search._group(wide), "model.layers.1.self_attn.q_proj")]) == ["wide"]
+    assert reached([]) == []
+
+
 def test_importance_resolves_every_name_a_build_meets():
     energies = {f"model.layers.{i}.mlp.down_proj": np.full(4, float(i + 1)) for i in (1, 11)}
     importance = ChannelImportance(energies)
