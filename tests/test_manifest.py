@@ -95,6 +95,10 @@ def test_linear_defaults(folder):
         (GOOD.replace("method: palettize", "method: palettize\n  layers: {mlp: {method: linear}}"), None, "an exception is palettize or none"),
         (GOOD.replace("method: palettize", "method: palettize\n  layers: {mlp: 8}"), None, "needs settings as a mapping"),
         (GOOD.replace("method: palettize", "method: palettize\n  auto: {min_retention: 2}"), 17, "less than or equal to 1"),
+        # a NUL byte in a path: pathlib would raise a bare ValueError (found by the hostile cases)
+        (GOOD.replace("base:\n  path: base", 'base:\n  path: "ba\\0se"'), 3, "NUL byte"),
+        (GOOD.replace("path: a2", 'path: "a\\02"'), 8, "NUL byte"),
+        (GOOD + 'output: "out\\0.mlpackage"\n', None, "output: a path cannot hold a NUL byte"),
     ],
 )
 def test_bad_manifests_name_file_and_line(folder, text, line, fragment):

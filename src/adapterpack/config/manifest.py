@@ -202,7 +202,19 @@ class Base(_Strict):
     def _non_empty(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
-        return value
+        return _without_nul(value)
+
+    @field_validator("calibration")
+    @classmethod
+    def _calibration(cls, value: str | None) -> str | None:
+        return _without_nul(value)
+
+
+def _without_nul(value: str | None) -> str | None:
+    # no path holds a NUL byte, and pathlib raises a bare ValueError on one
+    if value is not None and "\0" in value:
+        raise ValueError("a path cannot hold a NUL byte")
+    return value
 
 
 class Adapter(_Strict):
@@ -230,6 +242,11 @@ class Adapter(_Strict):
     @classmethod
     def _swift_name(cls, value: str) -> str:
         return check_function_name(value)
+
+    @field_validator("path", "calibration")
+    @classmethod
+    def _paths(cls, value: str | None) -> str | None:
+        return _without_nul(value)
 
     @field_validator("compression", mode="before")
     @classmethod
@@ -354,6 +371,13 @@ class Manifest(_Strict):
 
     # Set by load_manifest; not part of the YAML format.
     source: Annotated[Path | None, Field(exclude=True)] = None
+
+    @field_validator("output")
+    @classmethod
+    def _output(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty")
+        return _without_nul(value)
 
     @field_validator("name")
     @classmethod
