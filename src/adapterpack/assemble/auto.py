@@ -425,16 +425,8 @@ class _Search:
 
     def _weight(self, function: _Function, layer: str):
         """The layer's float16 weight as the package stores it at its current step."""
-        owner, step = self._owner(function, layer), self._step(function, layer)
-        found = self.dense.get((owner, layer, step))
-        if found is None:
-            found = self._compressed(layer, self._source(function, layer), self.ladders[function.name][step])
-            self.dense[(owner, layer, step)] = found
-            self.dense.pop((owner, layer, step - 1), None)
-        return found
-
-    def _compressed(self, layer: str, weight, setting: Compression | None):
-        return self._compressed_together([(layer, weight, setting)])[0]
+        self._fill([(function, layer)])
+        return self.dense[(self._owner(function, layer), layer, self._step(function, layer))]
 
     def _compressed_together(self, wanted: list[tuple[str, object, Compression | None]]) -> list[object]:
         """Each (layer, weight, setting) as the package stores it, float16; the palettized ones
@@ -463,12 +455,16 @@ class _Search:
 
     def _compress_pending(self, functions: list[_Function]) -> None:
         """Every weight ``functions`` read at their current steps, compressed now, together."""
+        self._fill([(function, layer) for function in functions for layer in sorted(self.eligible[function.name])])
+
+    def _fill(self, needed: list[tuple[_Function, str]]) -> None:
+        """The stored weight of each (function, layer) at its current step, compressed in one
+        batch where not yet known; a layer's previous step is dropped (memory: one step each)."""
         wanted: dict[tuple[str, str, int], tuple[str, object, Compression | None]] = {}
-        for function in functions:
-            for layer in sorted(self.eligible[function.name]):
-                owner, step = self._owner(function, layer), self._step(function, layer)
-                if (owner, layer, step) not in self.dense:
-                    wanted[(owner, layer, step)] = (layer, self._source(function, layer), self.ladders[function.name][step])
+        for function, layer in needed:
+            owner, step = self._owner(function, layer), self._step(function, layer)
+            if (owner, layer, step) not in self.dense:
+                wanted[(owner, layer, step)] = (layer, self._source(function, layer), self.ladders[function.name][step])
         for (owner, layer, step), dense in zip(wanted, self._compressed_together(list(wanted.values()))):
             self.dense[(owner, layer, step)] = dense
             self.dense.pop((owner, layer, step - 1), None)
