@@ -74,6 +74,8 @@ def test_linear_defaults(folder):
     "text, line, fragment",
     [
         (GOOD.replace("  max_context: 256", "  max_context: 256\n  colour: red"), 15, "unknown key 'colour'"),
+        # a quoted key holding a line break still gives one line (found by the mutated manifests)
+        (GOOD.replace("  max_context: 256", '  max_context: 256\n  "col\\nour": red'), 15, "unknown key 'col\\nour'"),
         (GOOD.replace("name: demo", "name: demo\nname: again"), 2, "duplicate key 'name'"),
         (GOOD.replace("  - name: code", "  - name: Chat"), None, "clash"),
         (GOOD.replace("  - name: code", "  - name: 2code"), 7, "not usable from Swift"),

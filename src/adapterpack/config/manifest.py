@@ -651,7 +651,9 @@ def _describe_validation_error(error: ValidationError, file: Path, lines: dict[t
     if len(error.errors()) > 1:
         message += f" (and {len(error.errors()) - 1} more)"
     prefix = f"{file}:{line}" if line else str(file)
-    return f"{prefix}: {where + ': ' if where else ''}{message}"
+    # one line whatever the YAML held: a quoted key or value may carry line breaks
+    described = f"{where + ': ' if where else ''}{message}".replace("\r", "\\r").replace("\n", "\\n")
+    return f"{prefix}: {described}"
 
 
 def _check_paths(manifest: Manifest, file: Path, lines: dict[tuple, int]) -> None:
