@@ -11,8 +11,10 @@ function's change from the float32 base and the adapter's own change, over every
 and logit). Bytes: what the function's weights take in the package (float16 where left
 uncompressed).
 
-Compressions ending in ``-data-aware`` weigh the palettes by the activations of the manifest's
-calibration texts (``compress.importance``); ``auto`` is what ``compression: auto`` chooses per
+Compressions ending in ``-data-aware`` are what a build with calibration text makes: palettes
+weighted by the activations of the manifest's calibration texts (``compress.importance``), their
+entries chosen with error compensation (``compress.compensation``); ``-weighted`` ones are the
+same palettes with each weight's nearest entry (weighting alone); ``auto`` is what ``compression: auto`` chooses per
 function (data-aware, its default targets or ``--auto-ratio``/``--auto-retention``). With
 ``--heldout DIR``, each function is measured on ``DIR/<function>.txt`` (text the calibration
 never saw), else every function on ``--text``.
@@ -38,6 +40,7 @@ COMPRESSIONS = {
     "float16": {"method": "none"},
     "palettize-4-data-aware": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
     "palettize-4-group4-data-aware": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 4},
+    "palettize-4-weighted": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
     "auto": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16, "auto": {}},
     "palettize-8": {"method": "palettize", "nbits": 8, "granularity": "per_grouped_channel", "group_size": 16},
     "palettize-6": {"method": "palettize", "nbits": 6, "granularity": "per_grouped_channel", "group_size": 16},
@@ -163,6 +166,7 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
     """``texts``: one text file for every function, or a folder of ``<function>.txt``."""
     from adapterpack.assemble.calibration import channel_importance
     from adapterpack.assemble.records import Reporter
+    from adapterpack.compress.importance import ChannelImportance
     from adapterpack.config.manifest import Compression
     from adapterpack.convert.base_model import load_base
     from adapterpack.inputs.checked import check_inputs
@@ -177,7 +181,7 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
 
     results: dict = {"manifest": str(manifest), "text": str(texts), "window": window, "functions": {}, "tokens": {}}
     importance = None
-    if any(label.endswith(("data-aware", "auto")) for label in compressions):
+    if any(label.endswith(("data-aware", "weighted", "auto")) for label in compressions):
         # the statistics a palettizing build of this manifest weighs by, whatever it compresses with
         palettized = checked.manifest.model_copy(update={"compression": Compression(method="palettize")})
         importance = channel_importance(replace(checked, manifest=palettized), Reporter())
@@ -194,6 +198,9 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
             for label in compressions:
                 compression = settings[label][function]
                 weighted = importance if label.endswith(("data-aware", "auto")) else None
+                if label.endswith("weighted"):
+                    # the same statistics, no Gram matrices: nearest entries
+                    weighted = ChannelImportance(importance.energies)
                 rows[label] = compared(model, compression, ids, window, reference, base_logits if adapter else None, targets, weighted)
                 rows[label]["compression"] = compression.describe()
                 print(f"{function} {label}: {rows[label]}", file=sys.stderr, flush=True)

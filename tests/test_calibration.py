@@ -97,7 +97,11 @@ def _choice(tmp_path: Path, base: Path, compression: str):
     return choices["base"]
 
 
-def test_auto_gives_more_bits_to_a_layer_made_sensitive(tmp_path):
+def test_auto_gives_more_bits_to_a_layer_made_sensitive(tmp_path, monkeypatch):
+    """Without error compensation, as for a model whose Gram matrices exceed the budget: with it,
+    the demo's 4-bit palettes meet this target whatever the layer's scale (the next test)."""
+    monkeypatch.setattr("adapterpack.compress.importance.GRAM_BUDGET_BYTES", 0)
+    monkeypatch.setattr("adapterpack.assemble.calibration._LAST_MEASURED", {})  # none measured with Grams
     compression = "{auto: {max_perplexity_ratio: 1.01}}"
     for folder in ("control", "sensitive"):
         (tmp_path / folder).mkdir()
@@ -151,3 +155,30 @@ def test_a_calibration_text_that_is_not_text_is_bad_input(tmp_path):
     assert result.returncode == 2
     assert str(binary) in result.stdout + result.stderr
     assert not (tmp_path / "out.mlpackage").exists()
+
+
+def test_input_grams_are_the_energies_with_their_correlations():
+    """The Gram of each layer's inputs has the channel energies on its diagonal; the projections
+    fed one tensor (q/k/v, gate/up) share one measured matrix, the others have their own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adapterpack.convert.calibration import channel_energies, input_grams
+    from adapterpack.inputs.text import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO / "base", dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(DEMO / "base")
+    texts = [tokenizer((DEMO / "calibration" / f"{name}.txt").read_text())["input_ids"][:300] for name in ("base", "zen")]
+    layer = "model.layers.1"
+    modules = [f"{layer}.self_attn.{p}_proj" for p in "qkvo"] + [f"{layer}.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    grams = input_grams(model, texts, 128, modules)
+    energies = channel_energies(model, texts, 128)
+    assert set(grams) == set(modules)
+    for name in modules:
+        np.testing.assert_allclose(np.diagonal(grams[name]), energies[name], rtol=1e-4, err_msg=name)
+        assert np.abs(grams[name] - np.diag(np.diagonal(grams[name]))).max() > 1e-3 * np.diagonal(grams[name]).max(), name
+    attention, mlp = grams[f"{layer}.self_attn.q_proj"], grams[f"{layer}.mlp.gate_proj"]
+    assert grams[f"{layer}.self_attn.k_proj"] is attention and grams[f"{layer}.self_attn.v_proj"] is attention
+    assert grams[f"{layer}.mlp.up_proj"] is mlp
+    distinct = {id(grams[name]) for name in modules}
+    assert len(distinct) == 4  # attention input, o_proj's, MLP input, down_proj's

@@ -18,12 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
+from collections.abc import Callable
 
 import numpy as np
 
 # Every channel keeps this share of the mean energy: a channel the calibration text never
 # excites still gets a palette entry's worth of attention (other text may excite it).
 ENERGY_FLOOR = 1e-3
+# What the input Gram matrices of error-compensated palettes (``compress.compensation``) may take
+# in memory, float32, counted per layer: layers are compensated narrowest first while they fit,
+# the rest keep nearest-entry palettes. SmolLM2-135M's all take 0.5 GiB; Llama-3.2-1B's but its
+# MLP down projections 1.5 GiB (each of those alone would take 0.25), so one of those fits too.
+GRAM_BUDGET_BYTES = 2 << 30
 
 
 def _flat(name: str) -> str:
@@ -31,16 +38,41 @@ def _flat(name: str) -> str:
 
 
 class ChannelImportance:
-    """Per linear layer (by module path): the mean square of each input channel's activation.
+    """Per linear layer (by module path): the mean square of each input channel's activation,
+    and, when ``grams`` can measure them, its inputs' Gram matrices for error compensation.
 
         importance = ChannelImportance(energies)     # convert.calibration.channel_energies
         rows = importance.rows("hf_model_layers_0_mlp_down_proj_weight", grouped)
+        importance = ChannelImportance(energies, grams=measure)   # measure(modules) -> {module: Gram}
+        if importance.compensates(name, shape): gram = importance.gram(name)
+
+    ``grams`` is called at most once, when the first Gram is needed (a build whose palettes are all
+    cached never runs it), for every layer the budget admits.
     """
 
-    def __init__(self, energies: dict[str, np.ndarray]):
+    def __init__(
+        self,
+        energies: dict[str, np.ndarray],
+        grams: Callable[[list[str]], dict[str, np.ndarray]] | None = None,
+        gram_budget: int | None = None,
+    ):
         self.energies = {name: np.asarray(value, dtype=np.float64) for name, value in sorted(energies.items())}
         self._by_flat = {_flat(name): name for name in self.energies}
         self._digests: dict[str, str] = {}
+        self._measure_grams = grams
+        self._grams: dict[str, np.ndarray] | None = None
+        self._grams_lock = threading.Lock()
+        self.compensated: frozenset[str] = frozenset()
+        if grams is not None:
+            budget = GRAM_BUDGET_BYTES if gram_budget is None else gram_budget
+            chosen, used = [], 0
+            for name in sorted(self.energies, key=lambda name: (self.energies[name].size, name)):
+                size = 4 * self.energies[name].size ** 2
+                if used + size > budget:
+                    break
+                chosen.append(name)
+                used += size
+            self.compensated = frozenset(chosen)
 
     def module_of(self, name: str) -> str | None:
         """The module path weight ``name`` belongs to (the longest whose flattened path ends
@@ -71,6 +103,28 @@ class ChannelImportance:
             return None
         return np.broadcast_to(np.tile(channels, flat.shape[1] // shape[1]), flat.shape)
 
+    def compensates(self, name: str, shape: tuple[int, ...] | None) -> bool:
+        """Whether weight ``name`` of ``shape`` gets error-compensated palettes (its layer's Gram is
+        within the budget and fits the weight)."""
+        module = self.module_of(name)
+        return (
+            module in self.compensated
+            and shape is not None
+            and len(shape) == 2
+            and self.energies[module].shape == (shape[1],)
+        )
+
+    def gram(self, name: str) -> np.ndarray | None:
+        """The Gram matrix of weight ``name``'s layer's inputs (measured for every compensated
+        layer on first use), or None when it is not compensated."""
+        module = self.module_of(name)
+        if module not in self.compensated:
+            return None
+        with self._grams_lock:
+            if self._grams is None:
+                self._grams = self._measure_grams(sorted(self.compensated))
+        return self._grams.get(module)
+
     def digest(self, name: str) -> str | None:
         """A short digest of the importance weight ``name`` is palettized with (palette cache keys)."""
         module = self.module_of(name)
@@ -86,6 +140,6 @@ class ChannelImportance:
         return buffer.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> ChannelImportance:
+    def from_bytes(cls, data: bytes, grams: Callable[[list[str]], dict[str, np.ndarray]] | None = None) -> ChannelImportance:
         with np.load(io.BytesIO(data), allow_pickle=False) as stored:
-            return cls({name.replace("/", "."): stored[name] for name in stored.files})
+            return cls({name.replace("/", "."): stored[name] for name in stored.files}, grams)

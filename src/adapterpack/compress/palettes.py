@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from adapterpack.compress.compensation import compensated_indices
 from adapterpack.compress.importance import ChannelImportance
 from adapterpack.compress.kmeans import kmeans_1d, palettize_group
 from adapterpack.config.manifest import Compression
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # Bump when the k-means changes, so palettes cached on disk by an older version are not reused.
 PALETTE_ALGORITHM = "kmeans1d-grown-lloyd-moves-v3"
+# Bump when error compensation's choice of entries changes (keys of compensated palettes only).
+COMPENSATION_ALGORITHM = "gptq-act-order-v1"
 # Rows of k-means solved at once: bounds the temporary sort/prefix-sum buffers.
 PRIME_BATCH_VALUES = 1 << 24
 
@@ -162,8 +165,13 @@ class PaletteStore:
         """
         bits = [nbits] * len(flats) if isinstance(nbits, int) else list(nbits)
         importances = self._importance(flats, names, shapes)
+        compensated = [
+            self.importance is not None and names is not None and shapes is not None and importances[i] is not None
+            and self.importance.compensates(names[i], shapes[i])
+            for i in range(len(flats))
+        ]
         # hashed once, read and written by name
-        files = [self._file(flat, n, importance) for flat, n, importance in zip(flats, bits, importances)]
+        files = [self._file(*args) for args in zip(flats, bits, importances, compensated)]
         results: list[Palettes | None] = [self._cached(file, flat, n) for file, flat, n in zip(files, flats, bits)]
         pending: dict[tuple[int, str, int], list[int]] = {}
         for index, found in enumerate(results):
@@ -201,6 +209,7 @@ class PaletteStore:
                         filled = 0
             if batch:
                 cluster()
+            self._compensate([i for i in members if compensated[i]], flats, shapes, names, luts, labels)
             for i in members:
                 results[i] = (luts[i], labels[i])
                 self._store(files[i], results[i])
@@ -257,6 +266,26 @@ class PaletteStore:
                 yield from done
         yield from done
 
+    def _compensate(self, members, flats, shapes, names, luts, labels) -> None:
+        """Replace the nearest-entry ``labels`` of ``members`` by error-compensated ones, tensors
+        fed the same input (one Gram: q/k/v, gate/up) stacked into one pass, whose cost is
+        mostly per input column. Each row's entries depend only on its own values, its
+        palette and the Gram, so stacking changes no result."""
+        together: dict[tuple[int, int], list[int]] = {}
+        for i in members:
+            rows = shapes[i][0] // flats[i].shape[0]
+            together.setdefault((id(self.importance.gram(names[i])), rows), []).append(i)
+        for (_, rows), stacked in together.items():
+            gram = self.importance.gram(names[stacked[0]])
+            weight = np.concatenate([flats[i].reshape(shapes[i]) for i in stacked])
+            # the palettes as stored (float16), which the chosen entries must be nearest to
+            stored = np.concatenate([luts[i] for i in stacked]).astype(np.float16).astype(np.float32)
+            chosen = compensated_indices(weight, stored, rows, gram)
+            start = 0
+            for i in stacked:
+                labels[i] = chosen[start : start + shapes[i][0]].reshape(flats[i].shape)
+                start += shapes[i][0]
+
     def clear(self) -> None:
         """Forget primed palettes (those on disk stay)."""
         self._memo.clear()
@@ -272,10 +301,14 @@ class PaletteStore:
             found.append((self.importance.digest(name), rows) if rows is not None else None)
         return found
 
-    def _file(self, flat: np.ndarray, nbits: int, importance: tuple[str, np.ndarray] | None = None) -> str | None:
+    def _file(
+        self, flat: np.ndarray, nbits: int, importance: tuple[str, np.ndarray] | None = None, compensated: bool = False
+    ) -> str | None:
         if self.files is None:
             return None
         label = f"{nbits}|{PALETTE_ALGORITHM}" + (f"|importance {importance[0]}" if importance is not None else "")
+        # the Gram is the calibration's, as the energies in the importance digest are
+        label += f"|{COMPENSATION_ALGORITHM}" if compensated else ""
         return content_digest(flat, label)
 
     def _cached(self, key: str | None, flat: np.ndarray, nbits: int) -> Palettes | None:

@@ -5,6 +5,7 @@ each input channel. Each text counts equally (its own mean, then the mean over t
 base text does not drown a skill's short one.
 
     energies = channel_energies(base, [token_ids_of_text_a, token_ids_of_text_b], window=512)
+    grams = input_grams(base, texts, window=512, modules=["model.layers.0.mlp.down_proj", ...])
 """
 
 from __future__ import annotations
@@ -47,3 +48,58 @@ def channel_energies(model, texts: list[list[int]], window: int) -> dict[str, np
         for handle in handles:
             handle.remove()
     return {name: (mean / max(counted, 1)).numpy() for name, mean in means.items()}
+
+
+def input_grams(model, texts: list[list[int]], window: int, modules: list[str]) -> dict[str, np.ndarray]:
+    """{linear module path: mean of ``x x^T`` over its inputs ``x``} (float32, (in, in)) for each
+    of ``modules``, over ``texts`` read as ``channel_energies`` reads them (whose result is these
+    matrices' diagonals). Modules fed the same tensor (a layer's q/k/v projections, its gate and
+    up projections) share one array, measured once."""
+    import torch
+
+    wanted = set(modules)
+    linears = {name: module for name, module in model.named_modules() if name in wanted}
+    totals: dict[str, torch.Tensor] = {}
+    means: dict[str, torch.Tensor] = {}
+    site_of: dict[str, str] = {}  # module -> the module whose input it shares (itself if none)
+    # The input the last hooked module was called with, held so that its memory cannot be reused
+    # by another tensor: projections of one input run one after the other (q, k, v; gate, up).
+    last: list = [None, None]  # [tensor, module]
+
+    def hook(name):
+        def add(module, args):
+            value = args[0]
+            if name not in site_of:
+                site_of[name] = last[1] if value is last[0] and last[1] is not None else name
+            last[0], last[1] = value, site_of[name]
+            site = site_of[name]
+            if site != name:
+                return
+            flat = value.detach().reshape(-1, value.shape[-1]).to(torch.float32)
+            if name not in totals:
+                totals[name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float32)
+                means[name] = torch.zeros_like(totals[name])
+            totals[name].addmm_(flat.T, flat)
+
+        return add
+
+    handles = [module.register_forward_pre_hook(hook(name)) for name, module in linears.items()]
+    counted = 0
+    try:
+        with torch.no_grad():
+            for ids in texts:
+                if not ids:
+                    continue
+                for total in totals.values():
+                    total.zero_()
+                for start in range(0, len(ids), window):
+                    model(torch.tensor([ids[start : start + window]]))
+                for name, total in totals.items():
+                    means[name].add_(total, alpha=1.0 / len(ids))
+                counted += 1
+    finally:
+        last[0] = None
+        for handle in handles:
+            handle.remove()
+    shared = {name: (mean / max(counted, 1)).numpy() for name, mean in means.items()}
+    return {name: shared[site] for name, site in site_of.items() if site in shared}

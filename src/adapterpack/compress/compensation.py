@@ -1,0 +1,91 @@
+"""Palette indices chosen with error compensation (GPTQ's, over a palette instead of a grid).
+
+Taking each weight's nearest palette entry minimizes each weight's own error, but what the
+layer computes is ``W x``: an error left in ``W[:, j]`` can be paid back by the weights of other
+input channels that the calibration text shows move with ``x_j``. GPTQ (Frantar et al., 2022)
+does that column by column with the inverse of the inputs' Gram matrix ``H = E[x x^T]``: it
+rounds column ``j``, then spreads the error over the columns not yet rounded, so that the
+expected output error ``tr(dW H dW^T)`` stays near its least. Rounding to a palette instead of an
+integer grid changes nothing in that derivation: the palettes (one per group of output channels,
+from the data-aware k-means) stay, only which entry each weight takes changes. Columns go in
+decreasing activation energy (GPTQ's "act order"), so the channels that matter most are rounded
+while every other column can still compensate them.
+
+On SmolLM2-135M at 4 bits in groups of 16 output channels this takes the held-out perplexity
+ratio from 1.27x (weighted k-means, nearest entries) to 1.08x at the same bytes (README).
+
+    indices = compensated_indices(weight, luts, group_rows=16, gram=H)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Ridge added to the Gram's diagonal, as a share of its mean: keeps the Cholesky defined and the
+# compensation from fitting the calibration text instead of the model. GPTQ's default is 0.01;
+# on SmolLM2-135M's held-out texts at 4 bits in groups of 16 (perplexity ratio base / shout /
+# pirate) 0.01 gave 1.09 / 1.20 / 1.11, 0.1 gave 1.08 / 1.14 / 1.10, 0.3 gave 1.10 / 1.14 / 1.10.
+DAMPING = 0.1
+# Columns rounded before their error reaches the rest at once (one matrix product per block).
+BLOCK = 128
+
+
+def compensated_indices(weight: np.ndarray, luts: np.ndarray, group_rows: int, gram: np.ndarray) -> np.ndarray:
+    """For ``weight`` (out, in), the palette entry of every weight (uint8, (out, in)), rounding
+    column by column and spreading each column's error over the columns left, by ``gram``
+    (in, in). ``luts`` (out / group_rows, entries): the palettes, one per block of
+    ``group_rows`` output channels, as stored (float16 values in float32 are exact)."""
+    out_features, in_features = weight.shape
+    if gram.shape != (in_features, in_features) or luts.shape[0] * group_rows != out_features:
+        raise ValueError(f"weight {weight.shape}, {luts.shape[0]} palettes of {group_rows} rows and a Gram of {gram.shape} do not fit")
+    # float64 throughout: the Gram of a trained checkpoint spans ten orders of magnitude (its
+    # massive activations), and identical inputs must give identical indices on any machine.
+    work = torch.from_numpy(np.asarray(weight, dtype=np.float64).copy())
+    hessian = torch.from_numpy(np.asarray(gram, dtype=np.float64).copy())
+    dead = hessian.diagonal() <= 0
+    hessian[dead, dead] = 1.0
+    work[:, dead] = 0.0  # what a channel never excited holds does not matter; nearest is kept below
+    order = torch.argsort(-hessian.diagonal(), stable=True)
+    work, hessian = work[:, order], hessian[order][:, order]
+    hessian.diagonal().add_(DAMPING * float(hessian.diagonal().mean()))
+    inverse = _upper_cholesky_of_inverse(hessian)
+    palette = torch.from_numpy(np.asarray(luts, dtype=np.float64)).repeat_interleave(group_rows, dim=0)
+    chosen = torch.empty((out_features, in_features), dtype=torch.uint8)
+    for first in range(0, in_features, BLOCK):
+        last = min(first + BLOCK, in_features)
+        block = work[:, first:last].clone()
+        errors = torch.empty_like(block)
+        corner = inverse[first:last, first:last]
+        for column in range(last - first):
+            values = block[:, column]
+            entry = (values[:, None] - palette).abs().argmin(dim=1)
+            chosen[:, first + column] = entry.to(torch.uint8)
+            error = (values - palette.gather(1, entry[:, None])[:, 0]) / corner[column, column]
+            block[:, column:] -= error[:, None] * corner[column, column:][None, :]
+            errors[:, column] = error
+        work[:, last:] -= errors @ inverse[first:last, last:]
+    indices = torch.empty_like(chosen)
+    indices[:, order] = chosen
+    result = indices.numpy()
+    if dead.any():
+        # a channel no text excites keeps its nearest entries (compensating it is meaningless)
+        nearest = np.abs(np.asarray(weight, dtype=np.float64)[:, dead.numpy(), None] - palette.numpy()[:, None, :]).argmin(axis=2)
+        result[:, dead.numpy()] = nearest.astype(np.uint8)
+    return result
+
+
+def _upper_cholesky_of_inverse(hessian: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor of ``hessian``'s inverse (what GPTQ's column updates read),
+    damped further if the Gram is too ill-conditioned to factor."""
+    damping = DAMPING * float(hessian.diagonal().mean())
+    for _ in range(8):
+        lower, info = torch.linalg.cholesky_ex(hessian)
+        if int(info) == 0:
+            factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if int(info) == 0:
+                return factor
+        hessian = hessian.clone()
+        hessian.diagonal().add_(damping)
+        damping *= 10
+    raise ValueError("the calibration Gram matrix cannot be factored even damped")

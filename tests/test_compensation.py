@@ -1,0 +1,118 @@
+"""Error-compensated palette entries (``compress.compensation``): what the layer computes on its
+inputs gets closer to the float layer than with each weight's nearest entry, and nothing else
+changes (the palettes, determinism, the entries where inputs carry no correlation)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from adapterpack.compress.compensation import compensated_indices
+from adapterpack.compress.importance import ChannelImportance
+from adapterpack.compress.kmeans import kmeans_1d
+from adapterpack.compress.palettes import PaletteStore
+from adapterpack.config.manifest import Compression
+
+GROUP = 4
+
+
+def _layer(seed: int, out_features: int = 32, in_features: int = 96, tokens: int = 2000):
+    """A weight, its float16 palettes in groups of ``GROUP`` rows, and inputs whose channels are
+    correlated and of very unequal energy (as a trained model's are), split into the tokens the
+    Gram is measured on and held-out ones."""
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_t(4, (out_features, in_features)) * 0.05).astype(np.float16)
+    mixing = rng.standard_normal((in_features, in_features)) / np.sqrt(in_features) + np.eye(in_features)
+    inputs = rng.standard_normal((2 * tokens, in_features)) @ mixing * np.geomspace(0.1, 30, in_features)
+    luts, nearest = kmeans_1d(weight.reshape(out_features // GROUP, -1), 3)
+    return weight, luts.astype(np.float16).astype(np.float32), nearest.reshape(weight.shape), inputs[:tokens], inputs[tokens:]
+
+
+def _output_error(weight, luts, indices, inputs) -> float:
+    dense = np.take_along_axis(np.repeat(luts, GROUP, axis=0), indices.astype(np.int64), axis=1)
+    return float((((weight.astype(np.float64) - dense) @ inputs.T) ** 2).mean())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compensation_lowers_the_output_error_on_held_out_inputs(seed):
+    weight, luts, nearest, seen, held_out = _layer(seed)
+    gram = seen.T @ seen / len(seen)
+    chosen = compensated_indices(weight, luts, GROUP, gram)
+    assert chosen.dtype == np.uint8 and chosen.shape == weight.shape and int(chosen.max()) < luts.shape[1]
+    before, after = _output_error(weight, luts, nearest, held_out), _output_error(weight, luts, chosen, held_out)
+    assert after < 0.85 * before, (seed, after / before)
+
+
+def test_uncorrelated_inputs_leave_every_weight_at_its_nearest_entry():
+    """With a diagonal Gram no column's error can be paid back by another's: the nearest entries."""
+    weight, luts, _, seen, _ = _layer(3)
+    gram = np.diag((seen**2).mean(axis=0))
+    rows = np.repeat(luts, GROUP, axis=0)
+    nearest = np.abs(weight.astype(np.float32)[:, :, None] - rows[:, None, :]).argmin(axis=2)
+    np.testing.assert_array_equal(compensated_indices(weight, luts, GROUP, gram), nearest)
+
+
+def test_rows_compensated_together_or_alone_take_the_same_entries():
+    """A palette store stacks the tensors fed the same input (q/k/v) into one pass."""
+    weight, luts, _, seen, _ = _layer(4)
+    gram = seen.T @ seen / len(seen)
+    together = compensated_indices(weight, luts, GROUP, gram)
+    half = weight.shape[0] // 2
+    alone = np.concatenate(
+        [compensated_indices(weight[:half], luts[: half // GROUP], GROUP, gram),
+         compensated_indices(weight[half:], luts[half // GROUP :], GROUP, gram)]
+    )
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_the_entries_do_not_depend_on_the_thread_count():
+    """Identical base weights must get identical entries in every function and build."""
+    import torch
+
+    weight, luts, _, seen, _ = _layer(5, out_features=64, in_features=300)
+    gram = seen.T @ seen / len(seen)
+    before = torch.get_num_threads()
+    try:
+        found = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            found.append(compensated_indices(weight, luts, GROUP, gram))
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_array_equal(*found)
+
+
+def test_a_store_compensates_only_the_layers_within_the_gram_budget(tmp_path):
+    """Layers are compensated narrowest first while their Grams fit; the others keep the nearest
+    entries of the same palettes, and their cache entries say which they are."""
+    from adapterpack.assemble.cache import FolderPalettes
+
+    narrow, luts_n, nearest_n, seen_n, _ = _layer(6, in_features=32)
+    wide, luts_w, nearest_w, seen_w, _ = _layer(7, in_features=96)
+    energies = {"model.narrow": (seen_n**2).mean(axis=0), "model.wide": (seen_w**2).mean(axis=0)}
+    grams = {"model.narrow": seen_n.T @ seen_n / len(seen_n), "model.wide": seen_w.T @ seen_w / len(seen_w)}
+    asked = []
+
+    def measure(modules):
+        asked.append(list(modules))
+        return {name: grams[name] for name in modules}
+
+    importance = ChannelImportance(energies, measure, gram_budget=4 * 32 * 32)
+    assert importance.compensated == {"model.narrow"}
+    store = PaletteStore(FolderPalettes(tmp_path), importance)
+    compression = Compression(method="palettize", nbits=3, granularity="per_grouped_channel", group_size=GROUP)
+    flats = [narrow.reshape(-1, GROUP * 32), wide.reshape(-1, GROUP * 96)]
+    (lut_n, idx_n), (lut_w, idx_w) = store.tensor_palettes(flats, compression.nbits, ["model.narrow", "model.wide"], [narrow.shape, wide.shape])
+    assert asked == [["model.narrow"]]
+    weighted = {name: kmeans_1d(flat, 3, importance=importance.rows(name, shape, flat)) for name, flat, shape in
+                zip(["model.narrow", "model.wide"], flats, [narrow.shape, wide.shape])}
+    np.testing.assert_array_equal(lut_n, weighted["model.narrow"][0])  # the palettes are the weighted k-means'
+    np.testing.assert_array_equal(idx_w, weighted["model.wide"][1])  # beyond the budget: nearest entries
+    expected = compensated_indices(narrow, lut_n.astype(np.float16).astype(np.float32), GROUP, grams["model.narrow"])
+    np.testing.assert_array_equal(idx_n.reshape(narrow.shape), expected)
+    assert not np.array_equal(idx_n, weighted["model.narrow"][1])
+    # read back from the files, without measuring again
+    again = PaletteStore(FolderPalettes(tmp_path), ChannelImportance(energies, measure, gram_budget=4 * 32 * 32))
+    reread = again.tensor_palettes(flats, 3, ["model.narrow", "model.wide"], [narrow.shape, wide.shape])
+    np.testing.assert_array_equal(reread[0][1], idx_n)
+    assert asked == [["model.narrow"]]
