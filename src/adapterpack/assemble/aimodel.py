@@ -20,6 +20,7 @@ from adapterpack.assemble.builder import check_value_ranges
 from adapterpack.assemble.calibration import channel_importance
 from adapterpack.assemble.parts import PartRecord, metadata_of
 from adapterpack.assemble.records import FunctionProvenance, Reporter
+from adapterpack.formats.aimodel.asset import CONTRACT_KEY
 from adapterpack.formats.aimodel.format import AIMODEL
 from adapterpack.formats.metadata import METADATA_PREFIX, library_versions
 from adapterpack.inputs.checked import CheckedInputs, hf_name
@@ -48,7 +49,9 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
 
     manifest = checked.manifest
     names = manifest.function_names
-    session = AssetSession(max_context=manifest.export.max_context, compute=manifest.export.compute_precision)
+    session = AssetSession(
+        max_context=manifest.export.max_context, compute=manifest.export.compute_precision, contract=manifest.export.contract
+    )
     scratch = target.parent / f".{target.stem}.palettes"
     name_for_client = hf_name(checked)
     records = {name: PartRecord.for_function(checked, name, name_for_client) for name in names}
@@ -87,6 +90,8 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
         metadata, description = metadata_of([records[name] for name in names], library_versions(AIMODEL.libraries))
         # What `inspect` needs for the activations estimate, which a .mlpackage reads from its program.
         metadata[METADATA_PREFIX + "shape"] = json.dumps(model_sizes(checked.base.config), sort_keys=True)
+        # How its functions are called: what verify, generate and eval drive them with.
+        metadata[CONTRACT_KEY] = manifest.export.contract
         with reporter.stage(f"convert {len(names)} function(s) to one Core AI program"):
             session.save(target, metadata=metadata, description=description)
     finally:

@@ -98,7 +98,7 @@ def check_value_ranges(checked: CheckedInputs, functions: list[str], reporter: R
     with reporter.stage("check that the weights fit float16"):
         check_float16_range(checked, functions, cache)
     export = checked.manifest.export
-    if export.compute_precision == "float32":  # only a format computing as stored allows it (Export.check_precision)
+    if export.compute_precision == "float32":  # only a format computing as stored allows it (Export.check_for_format)
         return
     with reporter.stage(f"range check: {len(functions)} reference(s) on a calibration prompt"):
         check_reference_values(checked, functions)

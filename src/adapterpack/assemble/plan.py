@@ -30,14 +30,17 @@ class Plan:
         return self.checked.manifest
 
 
-def chosen_format(manifest: Manifest, output: str | Path | None, package_format: str | None) -> Format:
-    """The format a build writes: ``--format``, else the output path's suffix, else the manifest's."""
+def chosen_format(
+    manifest: Manifest, output: str | Path | None, package_format: str | None, contract: str | None = None
+) -> Format:
+    """The format a build writes: ``--format``, else the output path's suffix, else the manifest's
+    (under ``contract``, ``--contract``, or the manifest's)."""
     by_path = of_output(output) if output is not None else None
     if package_format and by_path and by_path.name != package_format:
         raise BadInput(f"--output {output} is a {by_path.suffix} but --format is {package_format}")
     chosen = named(package_format or (by_path.name if by_path else manifest.export.format))
     try:
-        manifest.export.model_copy(update={"format": chosen.name}).check_precision()
+        manifest.export.model_copy(update={"format": chosen.name, "contract": contract or manifest.export.contract}).check_for_format()
     except ValueError as error:
         raise BadInput(f"{manifest.source or 'manifest'}: export: {error}") from None
     return chosen
@@ -47,8 +50,8 @@ def checked_for(manifest: Manifest | str | Path | CheckedInputs, options: BuildO
     """(checked inputs writing the chosen format, the format): every check before heavy work."""
     checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
     check_state_sizes(checked, strict=options.strict)
-    package_format = chosen_format(checked.manifest, output, options.package_format)
-    return checked.with_format(package_format.name), package_format
+    package_format = chosen_format(checked.manifest, output, options.package_format, options.contract)
+    return checked.with_format(package_format.name, options.contract), package_format
 
 
 def plan_build(

@@ -91,6 +91,7 @@ class BuildOptions:
     cache_dir: Path | None = None  # build cache (default: .adapterpack-cache beside the output)
     use_cache: bool = True  # read and write the build cache
     package_format: str | None = None  # mlpackage | aimodel (--format); None: the output's suffix or the manifest's
+    contract: str | None = None  # swift-transformers | apple (--contract); None: the manifest's
 
 
 @dataclass

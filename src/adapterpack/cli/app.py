@@ -35,7 +35,7 @@ from adapterpack.cli.render import (
     verify_table,
 )
 from adapterpack.config.devices import DEVICES, find_device
-from adapterpack.config.manifest import load_manifest, manifest_json_schema
+from adapterpack.config.manifest import CONTRACTS, load_manifest, manifest_json_schema
 from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
 from adapterpack.formats.registry import NAMES as PACKAGE_FORMATS
 from adapterpack.formats.registry import read_functions
@@ -102,6 +102,14 @@ FormatOption = Annotated[
         "default: the output's suffix, else the manifest's export.format",
     ),
 ]
+ContractOption = Annotated[
+    str | None,
+    typer.Option(
+        "--contract",
+        help="How an app calls each function: swift-transformers (default) or apple (aimodel only: Apple's "
+        "CoreAILanguageModel runtime); default: the manifest's export.contract",
+    ),
+]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")]
 CacheDirOption = Annotated[
     Path | None,
@@ -117,6 +125,7 @@ def build(
         Path | None, typer.Option("--output", "-o", help="Output .mlpackage or .aimodel (overrides the manifest's `output`)")
     ] = None,
     package_format: FormatOption = None,
+    contract: ContractOption = None,
     force: ForceOption = False,
     allow_pickle: AllowPickleOption = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verifying every function against PyTorch")] = False,
@@ -146,6 +155,7 @@ def build(
         options = BuildOptions(
             force=force, allow_pickle=allow_pickle, strict=strict, verify=not no_verify, backend=backend,
             cache_dir=cache_dir, use_cache=not no_cache, package_format=_check_format(package_format),
+            contract=_check_contract(contract),
         )
         if (function is None) != (parts is None):
             raise BadInput("--function and --parts go together (build one function's part for `adapterpack merge`)")
@@ -181,6 +191,12 @@ def merge(
         options = BuildOptions(force=force, strict=strict, backend=backend)
         result = merge_from_parts(parts_dir, output, manifest=manifest, options=options, reporter=ConsoleReporter(quiet))
         print_build(result)
+
+
+def _check_contract(contract: str | None) -> str | None:
+    if contract is not None and contract not in CONTRACTS:
+        raise BadInput(f"--contract {contract!r}: choose {' or '.join(CONTRACTS)}")
+    return contract
 
 
 def _check_format(package_format: str | None) -> str | None:
@@ -319,6 +335,7 @@ def release(
     manifest: ManifestArg,
     out_dir: Annotated[Path, typer.Option("--out-dir", "-d", help="Release folder, e.g. dist/")],
     package_format: FormatOption = None,
+    contract: ContractOption = None,
     force: ForceOption = False,
     allow_pickle: AllowPickleOption = False,
     backend: BackendOption = "numpy",
@@ -340,7 +357,7 @@ def release(
         _check_backend(backend)
         options = BuildOptions(
             force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir, use_cache=not no_cache,
-            package_format=_check_format(package_format),
+            package_format=_check_format(package_format), contract=_check_contract(contract),
         )
         result = run_release(
             manifest, out_dir, options=options, reporter=ConsoleReporter(quiet),

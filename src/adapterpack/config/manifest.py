@@ -264,6 +264,11 @@ def format_of(path: str | Path) -> str | None:
     return suffix if suffix in PACKAGE_FORMATS else None
 
 
+# How an app calls a function (export.contract): swift-transformers' LanguageModelWithStatefulKVCache
+# (the default; a .mlpackage's only one), or Apple's Core AI Swift runtime (convert.export_decoder).
+CONTRACTS = ("swift-transformers", "apple")
+
+
 class Export(_Strict):
     """How functions are exported: cache length, OS, package format."""
 
@@ -284,10 +289,18 @@ class Export(_Strict):
         default="float16",
         description="Activations and matrix products (aimodel only: float32 keeps weights and states as stored, computes in float32)",
     )
+    contract: Literal[CONTRACTS] = Field(  # type: ignore[valid-type]
+        default="swift-transformers",
+        description=(
+            "How an app calls each function: swift-transformers (inputIds + causalMask, fixed caches; "
+            "LanguageModelWithStatefulKVCache, and the same calls on Core AI) or apple (aimodel only: "
+            "input_ids + position_ids, caches the runtime grows; Apple's CoreAILanguageModel)"
+        ),
+    )
 
     @model_validator(mode="after")
     def _auto_needs_device(self) -> Export:
-        self.check_precision()
+        self.check_for_format()
         if self.max_context == "auto" and not self.target_device:
             raise ValueError("max_context: auto needs target_device (e.g. iphone-15)")
         if self.target_device:
@@ -298,9 +311,12 @@ class Export(_Strict):
                 raise ValueError(f"target_device: {error}") from None
         return self
 
-    def check_precision(self) -> None:
+    def check_for_format(self) -> None:
+        """What only a Core AI asset allows: float32 compute, Apple's runtime contract."""
         if self.compute_precision == "float32" and self.format != "aimodel":
             raise ValueError("compute_precision float32 applies to format aimodel (a .mlpackage computes in float16)")
+        if self.contract == "apple" and self.format != "aimodel":
+            raise ValueError("contract apple applies to format aimodel (a .mlpackage follows swift-transformers' contract)")
 
 
 # Verification thresholds by compression, chosen from measurements on the demo package (README,
@@ -497,14 +513,16 @@ class Manifest(_Strict):
             return (self.folder / Path(self.output).expanduser()).resolve()
         return (self.folder / "build" / f"{self.name}.{self.export.format}").resolve()
 
-    def with_format(self, package_format: str) -> Manifest:
-        """This manifest writing ``package_format`` (the command line's ``--format``)."""
-        if package_format == self.export.format:
+    def with_format(self, package_format: str, contract: str | None = None) -> Manifest:
+        """This manifest writing ``package_format`` (the command line's ``--format``) under
+        ``contract`` (``--contract``; None: the manifest's)."""
+        contract = contract or self.export.contract
+        if package_format == self.export.format and contract == self.export.contract:
             return self
         output = self.output
         if output is not None and format_of(output):
             output = str(Path(output).with_suffix(f".{package_format}"))
-        export = self.export.model_copy(update={"format": package_format})
+        export = self.export.model_copy(update={"format": package_format, "contract": contract})
         return self.model_copy(update={"export": export, "output": output})
 
 

@@ -30,7 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from adapterpack.convert.coreml import CAUSAL_MASK, INPUT_IDS, LOGITS, STATE_NAMES
-from adapterpack.convert.export_decoder import ExportDecoder
+from adapterpack.convert.export_decoder import AppleDecoder, ExportDecoder
 from adapterpack.errors import BadInput
 from adapterpack.formats.aimodel.asset import EXTRA_MISSING, METADATA_FILE, METADATA_KEY
 from adapterpack.quiet import captured_output
@@ -39,6 +39,17 @@ log = logging.getLogger(__name__)
 
 # Core AI assets need iOS/macOS 27 (OSVersion.v27): the only value this format is written for.
 MINIMUM_OS = "v27"
+# Apple's contract (export.contract: apple), names as Apple's exporter gives them
+# (apple/coreai-models 86b363d, python/src/coreai_models/models/base.py, export_*_names); the
+# Swift engines take inputs and outputs by position and bind every state by its name.
+APPLE_INPUTS = ("input_ids", "position_ids")
+APPLE_STATES = ("key_cache", "value_cache")
+APPLE_OUTPUTS = ("logits",)
+# (inputs, states, outputs) each contract's functions declare, in order.
+SIGNATURES = {
+    "swift-transformers": ((INPUT_IDS, CAUSAL_MASK), tuple(STATE_NAMES), (LOGITS,)),
+    "apple": (APPLE_INPUTS, APPLE_STATES, APPLE_OUTPUTS),
+}
 
 
 def import_coreai_torch():
@@ -105,36 +116,66 @@ def float32_compute(model: torch.nn.Module):
 
 
 def export_program(
-    model: torch.nn.Module, *, max_context: int, settle=lambda tensor: tensor.detach().clone(), compute: str = "float16"
+    model: torch.nn.Module,
+    *,
+    max_context: int,
+    settle=lambda tensor: tensor.detach().clone(),
+    compute: str = "float16",
+    contract: str = "swift-transformers",
 ):
-    """``torch.export`` of the decoder over ``model`` for 1..max_context tokens per call.
+    """``torch.export`` of the decoder over ``model`` for 1..max_context tokens per call, under
+    ``contract``.
 
     The program refers to the model's parameters, which fusing the next adapter changes in
     place: ``settle(parameter)`` gives the tensor the program keeps instead (a copy).
     """
     if compute == "float32":
         with float32_compute(model):
-            return export_program(model, max_context=max_context, settle=settle)
+            return export_program(model, max_context=max_context, settle=settle, contract=contract)
     # Logits are float16 whatever the compute precision: the contract's output type.
     # The model's own norms: coreai-torch keeps their float32 upcast, so massive activations do
     # not overflow there. On SmolLM2-135M (shout, float16 compute, Core AI's CPU runtime) the
     # scaled form gave cosine 0.9954 and this one 0.9971 against float32 peft; the rest of that
     # gap is the runtime's float16 arithmetic elsewhere, not the norms.
-    decoder = ExportDecoder(
-        model, max_context=max_context + 1, cache_dtype=torch.float16, logits_dtype=torch.float16, scaled_norms=False
-    ).eval()
-    tokens = torch.export.Dim("tokens", min=1, max=max_context)
-    end = torch.export.Dim("end", min=1, max=max_context)
-    # q > 1 and end > q, as for the .mlpackage's trace: neither is specialised away.
-    example = (torch.zeros((1, 2), dtype=torch.int32), torch.zeros((1, 1, 2, min(5, max_context)), dtype=torch.float16))
+    if contract == "apple":
+        decoder = AppleDecoder(model, max_context=max_context, logits_dtype=torch.float16, scaled_norms=False).eval()
+        example, dynamic = _apple_example(decoder, max_context)
+    else:
+        decoder = ExportDecoder(
+            model, max_context=max_context + 1, cache_dtype=torch.float16, logits_dtype=torch.float16, scaled_norms=False
+        ).eval()
+        tokens = torch.export.Dim("tokens", min=1, max=max_context)
+        end = torch.export.Dim("end", min=1, max=max_context)
+        # q > 1 and end > q, as for the .mlpackage's trace: neither is specialised away.
+        example = (torch.zeros((1, 2), dtype=torch.int32), torch.zeros((1, 1, 2, min(5, max_context)), dtype=torch.float16))
+        dynamic = {INPUT_IDS: {1: tokens}, CAUSAL_MASK: {2: tokens, 3: end}}
     with torch.no_grad(), captured_output():
-        program = torch.export.export(
-            decoder, example, dynamic_shapes={INPUT_IDS: {1: tokens}, CAUSAL_MASK: {2: tokens, 3: end}}, strict=False
-        ).run_decompositions()
+        program = torch.export.export(decoder, example, dynamic_shapes=dynamic, strict=False).run_decompositions()
     for key, value in list(program.state_dict.items()):
         if isinstance(value, torch.nn.Parameter):
             program.state_dict[key] = settle(value)
     return program
+
+
+def _apple_example(decoder: AppleDecoder, max_context: int):
+    """Example arguments and dynamic dimensions of Apple's contract: token ids (1, q), position
+    ids (1, end), caches (layers, 1, kv heads, capacity, head dim) float16 whose capacity the
+    runtime chooses (``GrowingNDArrayState``: 256 first, doubled, at most max_context)."""
+    shape = decoder.shape
+    capacity = min(8, max_context)
+    cache = (shape.n_layers, 1, shape.n_kv_heads, capacity, shape.head_dim)
+    # q > 1, end > q and capacity > end, so that none of them is specialised away.
+    example = (
+        torch.zeros((1, 2), dtype=torch.int32),
+        torch.arange(min(5, capacity - 1), dtype=torch.int32)[None],
+        torch.zeros(cache, dtype=torch.float16),
+        torch.zeros(cache, dtype=torch.float16),
+    )
+    tokens = torch.export.Dim("tokens", min=1, max=max_context)
+    end = torch.export.Dim("end", min=1, max=max_context)
+    slots = torch.export.Dim("slots", min=2, max=max_context)
+    names = (*APPLE_INPUTS, *APPLE_STATES)
+    return example, dict(zip(names, ({1: tokens}, {1: end}, {3: slots}, {3: slots})))
 
 
 def stable_resource_names(program) -> int:
@@ -179,9 +220,10 @@ def stable_resource_names(program) -> int:
 class AssetSession:
     """One converter session: functions in, one ``.aimodel`` out."""
 
-    def __init__(self, *, max_context: int, compute: str = "float16"):
+    def __init__(self, *, max_context: int, compute: str = "float16", contract: str = "swift-transformers"):
         self.max_context = int(max_context)
         self.compute = compute
+        self.contract = contract
         converter = import_coreai_torch()
         # Release mode: operation ids only, no torch stack traces (file paths of this machine).
         self._converter = converter.TorchConverter(mode=converter.TorchConverter.Mode.RELEASE)
@@ -200,14 +242,13 @@ class AssetSession:
         return self._settled[key]
 
     def add(self, name: str, model: torch.nn.Module) -> None:
-        program = export_program(model, max_context=self.max_context, settle=self._settle, compute=self.compute)
+        program = export_program(
+            model, max_context=self.max_context, settle=self._settle, compute=self.compute, contract=self.contract
+        )
+        inputs, states, outputs = SIGNATURES[self.contract]
         with captured_output():
             self._converter.add_exported_program(
-                program,
-                input_names=[INPUT_IDS, CAUSAL_MASK],
-                output_names=[LOGITS],
-                state_names=list(STATE_NAMES),
-                entrypoint_name=name,
+                program, input_names=list(inputs), output_names=list(outputs), state_names=list(states), entrypoint_name=name
             )
         self.functions.append(name)
 

@@ -19,6 +19,9 @@ lands at positions 1..n and slot 0 is never written. Only rope's relative positi
 both give the same logits provided a slot no call has written is never attended: a third state,
 ``writtenSlots``, marks the slots each call writes (``makeState()`` creates every state the model
 declares, so the Swift client needs no change).
+
+``AppleDecoder`` is the same decoder under the contract of Apple's own Core AI Swift runtime
+(``export.contract: apple``), whose caches are arguments the runtime allocates and grows.
 """
 
 from __future__ import annotations
@@ -137,17 +140,11 @@ def rope_tables(hf_model, shape: DecoderShape, max_context: int) -> tuple[torch.
     return (emb.cos() * scaling).to(torch.float32), (emb.sin() * scaling).to(torch.float32)
 
 
-class ExportDecoder(nn.Module):
-    """Stateful decoder forward: ``(inputIds, causalMask) -> logits``, cache in buffers."""
+class _Decoder(nn.Module):
+    """What both contracts share: the rope tables, the attention over a cache and the layers; a
+    subclass says where the cache is and how a call's positions and mask are given."""
 
-    def __init__(
-        self,
-        hf_model,
-        max_context: int,
-        cache_dtype: torch.dtype = torch.float16,
-        logits_dtype: torch.dtype | None = None,
-        scaled_norms: bool = True,
-    ):
+    def __init__(self, hf_model, max_context: int, logits_dtype: torch.dtype | None, scaled_norms: bool):
         super().__init__()
         self.logits_dtype = logits_dtype  # the contract's output type when computing in another
         # ``rms_norm`` for converters that narrow every op to float16 (coremltools); a converter
@@ -160,6 +157,88 @@ class ExportDecoder(nn.Module):
         cos, sin = rope_tables(hf_model, self.shape, self.max_context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.shape.head_dim // 2
+        x1 = x[..., :half]
+        x2 = x[..., half:]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def _allowed(self, q_len, start, end) -> torch.Tensor:
+        """(q, end) 1.0 where token i of this call (cache slot start + i) may attend slot j:
+        causal, within the sliding window."""
+        # Token i of this call sits at position start + i and sees keys 0..start + i.
+        q_pos = torch.arange(q_len, dtype=torch.int32) + start
+        k_pos = torch.arange(end, dtype=torch.int32)
+        allowed = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).to(torch.float32)
+        if self.shape.sliding_window is not None:
+            inside = k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.shape.sliding_window
+            allowed = allowed * inside.to(torch.float32)
+        return allowed
+
+    def _attend(self, layer_idx: int, attn, hidden, cos, sin, bias, start, end, key_cache, value_cache) -> torch.Tensor:
+        s = self.shape
+        q = attn.q_proj(hidden).view(1, -1, s.n_heads, s.head_dim)
+        k = attn.k_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
+        v = attn.v_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head before rope
+            q = self.norm(attn.q_norm, q)
+            k = self.norm(attn.k_norm, k)
+        q = self._rotate(q.transpose(1, 2), cos, sin)
+        k = self._rotate(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+
+        key_cache[layer_idx, :, :, start:end, :] = k.to(key_cache.dtype)
+        value_cache[layer_idx, :, :, start:end, :] = v.to(value_cache.dtype)
+        keys = key_cache[layer_idx, :, :, :end, :].to(q.dtype)
+        values = value_cache[layer_idx, :, :, :end, :].to(q.dtype)
+
+        groups = s.n_heads // s.n_kv_heads
+        if groups > 1:  # grouped-query attention: repeat each kv head for its query heads
+            keys = keys.unsqueeze(2).repeat(1, 1, groups, 1, 1).flatten(1, 2)
+            values = values.unsqueeze(2).repeat(1, 1, groups, 1, 1).flatten(1, 2)
+
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
+        out = out.transpose(1, 2).reshape(1, -1, s.n_heads * s.head_dim)
+        return attn.o_proj(out)
+
+    def _logits(self, hidden, cos, sin, bias, start, end, key_cache, value_cache) -> torch.Tensor:
+        """Every layer over the embedded tokens ``hidden``, then the final norm and the head."""
+        body = self.hf.model
+        # The residual stream is carried in float32, the rest computes in the model's dtype. A
+        # trained checkpoint's attention-sink tokens reach tens of thousands in a few residual
+        # channels, which the last layers cancel again: in float16 (spacing 16 at 25,000) that
+        # cancellation leaves errors of several units, which the final norm passes on to the
+        # logits (SmolLM2-135M's fused shout: max logit error 0.41 at position 1 with a float16
+        # residual, 0.09 with a float32 one). A cast and an add per sublayer, one row per token.
+        narrow = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        for idx, layer in enumerate(body.layers):
+            residual = hidden
+            hidden = self.norm(layer.input_layernorm, hidden).to(narrow)
+            hidden = residual + self._attend(
+                idx, layer.self_attn, hidden, cos, sin, bias, start, end, key_cache, value_cache
+            ).to(torch.float32)
+            residual = hidden
+            hidden = self.norm(layer.post_attention_layernorm, hidden).to(narrow)
+            hidden = residual + layer.mlp(hidden).to(torch.float32)
+        hidden = self.norm(body.norm, hidden).to(narrow)
+        logits = self.hf.lm_head(hidden)
+        return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
+
+
+class ExportDecoder(_Decoder):
+    """Stateful decoder forward: ``(inputIds, causalMask) -> logits``, cache in buffers."""
+
+    def __init__(
+        self,
+        hf_model,
+        max_context: int,
+        cache_dtype: torch.dtype = torch.float16,
+        logits_dtype: torch.dtype | None = None,
+        scaled_norms: bool = True,
+    ):
+        super().__init__(hf_model, max_context, logits_dtype, scaled_norms)
         cache_shape = self.shape.kv_cache_shape(self.max_context)
         # Buffer names become the Core ML state names.
         self.register_buffer("keyCache", torch.zeros(cache_shape, dtype=cache_dtype))
@@ -173,12 +252,6 @@ class ExportDecoder(nn.Module):
         self.valueCache.zero_()
         self.writtenSlots.zero_()
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.shape.head_dim // 2
-        x1 = x[..., :half]
-        x2 = x[..., half:]
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
     def _attention_bias(self, inputIds, start, end, causal_mask: torch.Tensor) -> torch.Tensor:  # noqa: N803
         """Additive bias (1, 1, q, end): causal, sliding window, written slots, plus the caller's mask.
 
@@ -190,7 +263,9 @@ class ExportDecoder(nn.Module):
         written = torch.ones_like(inputIds, dtype=self.writtenSlots.dtype).view(1, 1, 1, -1)
         self.writtenSlots[:, :, :, start:end] = written
         seen = self.writtenSlots[:, :, :, :end].to(torch.float32)
-        # Token i of this call sits at position start + i and sees keys 0..start + i.
+        # Token i of this call sits at position start + i and sees keys 0..start + i. (Written
+        # out here, not through ``_allowed``: the traced program names its values after these
+        # variables, and the package's bytes must not change.)
         q_pos = torch.arange(q_len, dtype=torch.int32) + start
         k_pos = torch.arange(end, dtype=torch.int32)
         allowed = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).to(torch.float32)
@@ -201,56 +276,40 @@ class ExportDecoder(nn.Module):
         # The caller's mask is only added on top; (1, 1, 1, end) broadcasts over the query axis.
         return (1.0 - allowed) * MASK_NEGATIVE + causal_mask.to(torch.float32)
 
-    def _attend(self, layer_idx: int, attn, hidden, cos, sin, bias, start, end) -> torch.Tensor:
-        s = self.shape
-        q = attn.q_proj(hidden).view(1, -1, s.n_heads, s.head_dim)
-        k = attn.k_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
-        v = attn.v_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head before rope
-            q = self.norm(attn.q_norm, q)
-            k = self.norm(attn.k_norm, k)
-        q = self._rotate(q.transpose(1, 2), cos, sin)
-        k = self._rotate(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
-
-        self.keyCache[layer_idx, :, :, start:end, :] = k.to(self.keyCache.dtype)
-        self.valueCache[layer_idx, :, :, start:end, :] = v.to(self.valueCache.dtype)
-        keys = self.keyCache[layer_idx, :, :, :end, :].to(q.dtype)
-        values = self.valueCache[layer_idx, :, :, :end, :].to(q.dtype)
-
-        groups = s.n_heads // s.n_kv_heads
-        if groups > 1:  # grouped-query attention: repeat each kv head for its query heads
-            keys = keys.unsqueeze(2).repeat(1, 1, groups, 1, 1).flatten(1, 2)
-            values = values.unsqueeze(2).repeat(1, 1, groups, 1, 1).flatten(1, 2)
-
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
-        out = out.transpose(1, 2).reshape(1, -1, s.n_heads * s.head_dim)
-        return attn.o_proj(out)
-
     def forward(self, inputIds: torch.Tensor, causalMask: torch.Tensor) -> torch.Tensor:  # noqa: N803
         q_len = inputIds.shape[-1]
         end = causalMask.shape[-1]
         start = end - q_len
-        body = self.hf.model
-        hidden = body.embed_tokens(inputIds)
+        hidden = self.hf.model.embed_tokens(inputIds)
         cos = self.rope_cos[start:end].to(hidden.dtype)
         sin = self.rope_sin[start:end].to(hidden.dtype)
         bias = self._attention_bias(inputIds, start, end, causalMask).to(hidden.dtype)
-        # The residual stream is carried in float32, the rest computes in the model's dtype. A
-        # trained checkpoint's attention-sink tokens reach tens of thousands in a few residual
-        # channels, which the last layers cancel again: in float16 (spacing 16 at 25,000) that
-        # cancellation leaves errors of several units, which the final norm passes on to the
-        # logits (SmolLM2-135M's fused shout: max logit error 0.41 at position 1 with a float16
-        # residual, 0.09 with a float32 one). A cast and an add per sublayer, one row per token.
-        narrow = hidden.dtype
-        hidden = hidden.to(torch.float32)
-        for idx, layer in enumerate(body.layers):
-            residual = hidden
-            hidden = self.norm(layer.input_layernorm, hidden).to(narrow)
-            hidden = residual + self._attend(idx, layer.self_attn, hidden, cos, sin, bias, start, end).to(torch.float32)
-            residual = hidden
-            hidden = self.norm(layer.post_attention_layernorm, hidden).to(narrow)
-            hidden = residual + layer.mlp(hidden).to(torch.float32)
-        hidden = self.norm(body.norm, hidden).to(narrow)
-        logits = self.hf.lm_head(hidden)
-        return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
+        return self._logits(hidden, cos, sin, bias, start, end, self.keyCache, self.valueCache)
+
+
+class AppleDecoder(_Decoder):
+    """The decoder as Apple's Core AI Swift runtime calls it (apple/coreai-models 86b363d):
+    ``(input_ids, position_ids, key_cache, value_cache) -> logits``.
+
+    From ``CoreAISequentialEngine.swift`` (``processTokenBatch``) and
+    ``Handlers/StateHandler+NDArray.swift`` (``GrowingNDArrayState``): ``input_ids`` (1, q) Int32
+    are this call's tokens; ``position_ids`` (1, processed + q) Int32 are 0..processed + q - 1,
+    every position so far, so the call starts at ``position_ids.shape[1] - q`` (as Apple's own
+    exported models read it, ``models/macos/qwen2.py``); the two caches are states the runtime
+    allocates (capacity 256, doubled while a call needs more, up to the bundle's
+    ``max_context_length``) and grows by copying the filled prefix into a new array whose other
+    slots are left uninitialized, so a call reads exactly slots 0..end - 1 and never a mask over
+    more; causality is the graph's, rope takes the position ids' values; logits (1, q, vocab)
+    float16 are the first output.
+    """
+
+    def forward(self, input_ids, position_ids, key_cache, value_cache) -> torch.Tensor:
+        q_len = input_ids.shape[-1]
+        end = position_ids.shape[-1]
+        start = end - q_len
+        hidden = self.hf.model.embed_tokens(input_ids)
+        positions = position_ids[0, start:end].to(torch.long)
+        cos = self.rope_cos[positions].to(hidden.dtype)
+        sin = self.rope_sin[positions].to(hidden.dtype)
+        bias = ((1.0 - self._allowed(q_len, start, end)) * MASK_NEGATIVE).unsqueeze(0).unsqueeze(0).to(hidden.dtype)
+        return self._logits(hidden, cos, sin, bias, start, end, key_cache, value_cache)

@@ -33,9 +33,10 @@ class CheckedInputs:
     # by function: what compression auto chose and measured (assemble.auto), once it has run
     auto_figures: dict[str, dict] = field(default_factory=dict)
 
-    def with_format(self, package_format: str) -> CheckedInputs:
-        """The same inputs, the manifest writing ``package_format`` (mlpackage | aimodel)."""
-        return replace(self, manifest=self.manifest.with_format(package_format))
+    def with_format(self, package_format: str, contract: str | None = None) -> CheckedInputs:
+        """The same inputs, the manifest writing ``package_format`` (mlpackage | aimodel) under
+        ``contract`` (None: the manifest's)."""
+        return replace(self, manifest=self.manifest.with_format(package_format, contract))
 
 
 def check_inputs(

@@ -1,5 +1,6 @@
 """How real clients call a function: the seeded token sequence, and the two calling conventions
-(swift-transformers' ``tokenCount + 1`` zeros, Apple's Python past + q) run prefill then decode.
+(swift-transformers' ``tokenCount + 1`` zeros, Apple's Python past + q) run prefill then decode;
+for an asset of Apple's runtime contract, its Swift engine's whole and chunked prefill.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ def verification_tokens(vocab_size: int, settings: VerifySettings) -> np.ndarray
 # How real clients call a function (see export_decoder): each drive is a prefill of the first
 # tokens, then one call per further token through the same state.
 DRIVES = ("swift", "python")
+# An asset of Apple's contract (verify.coreai_engine): the Swift engine sends a prompt in one call
+# (up to its chunk threshold) or in chunks (past it), then one token per call. Its sessions send
+# the position ids themselves, so the masks these drives pass are not sent.
+APPLE_DRIVES = ("apple", "apple-chunked")
+# The chunked drive's chunks: the prefill in three (COREAI_CHUNK_THRESHOLD set that low).
+APPLE_CHUNKS = 3
 
 
 def swift_mask(past: int, q: int) -> np.ndarray:
@@ -55,18 +62,26 @@ def run_drive(predict, tokens: np.ndarray, prefill: int, drive: str) -> np.ndarr
     each decode step.
     """
     outputs = []
-    first = tokens[:prefill].astype(np.int32)[None, :]
-    outputs.append(predict(first, drive_mask(drive, 0, prefill)))
+    if drive == "apple-chunked":
+        size = max(1, -(-prefill // APPLE_CHUNKS))
+        for start in range(0, prefill, size):
+            chunk = tokens[start : min(prefill, start + size)].astype(np.int32)[None, :]
+            outputs.append(predict(chunk, drive_mask("python", start, chunk.shape[1])))
+    else:
+        first = tokens[:prefill].astype(np.int32)[None, :]
+        outputs.append(predict(first, drive_mask("swift" if drive == "swift" else "python", 0, prefill)))
     for end in range(prefill + 1, len(tokens) + 1):
         step = tokens[end - 1 : end].astype(np.int32)[None, :]
-        outputs.append(predict(step, drive_mask(drive, end - 1, 1)))
+        outputs.append(predict(step, drive_mask("swift" if drive == "swift" else "python", end - 1, 1)))
     return np.concatenate([o.reshape(1, -1, o.shape[-1]) for o in outputs], axis=1)[0].astype(np.float32)
 
 
 Predict = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (inputIds, causalMask) -> logits
 
 
-def run_drives(session: Callable[[], Predict], tokens: np.ndarray, prefill: int) -> dict[str, np.ndarray]:
+def run_drives(
+    session: Callable[[], Predict], tokens: np.ndarray, prefill: int, drives: tuple[str, ...] = DRIVES
+) -> dict[str, np.ndarray]:
     """Logits of every drive, each through a fresh state: ``session()`` returns a predict
     function bound to a new state (what ``makeState()`` gives a client)."""
-    return {drive: run_drive(session(), tokens, prefill, drive) for drive in DRIVES}
+    return {drive: run_drive(session(), tokens, prefill, drive) for drive in drives}

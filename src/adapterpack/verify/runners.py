@@ -16,9 +16,10 @@ import numpy as np
 from adapterpack.errors import BadInput
 from adapterpack.formats.aimodel import asset as aimodel
 from adapterpack.formats.aimodel.format import CORE_AI_RUNTIME
+from adapterpack.formats.metadata import METADATA_PREFIX
 from adapterpack.formats.registry import of_package
 from adapterpack.quiet import captured_output, import_coremltools, native_output_captured
-from adapterpack.verify.drives import Predict, run_drives
+from adapterpack.verify.drives import APPLE_DRIVES, DRIVES, Predict, run_drives
 from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,15 @@ class Sessions:
     says where that function's arithmetic first overflowed float16 (or gave NaN) in the calls
     so far, as far as the backend lets it be seen; None when it never did."""
 
-    def __init__(self, open_function: Callable[[str], Callable[[], Predict]], trouble: Callable[[str], str | None]):
+    def __init__(
+        self,
+        open_function: Callable[[str], Callable[[], Predict]],
+        trouble: Callable[[str], str | None],
+        drives: tuple[str, ...] = DRIVES,
+    ):
         self._open = open_function
         self._trouble = trouble
+        self.drives = drives  # how this package's clients call it (verify.drives)
 
     def __call__(self, function: str) -> Callable[[], Predict]:
         return self._open(function)
@@ -51,15 +58,17 @@ class Sessions:
         return self._trouble(function)
 
 
-def _watching_logits(open_function: Callable[[str], Callable[[], Predict]], backend: str) -> Sessions:
+def _watching_logits(
+    open_function: Callable[[str], Callable[[], Predict]], backend: str, drives: tuple[str, ...] = DRIVES
+) -> Sessions:
     """Sessions of a runtime whose ops cannot be seen: only non-finite logits are noticed."""
     seen: dict[str, str] = {}
 
     def watched(function: str) -> Callable[[], Predict]:
         new_session = open_function(function)
 
-        def session() -> Predict:
-            predict = new_session()
+        def session(**options) -> Predict:
+            predict = new_session(**options)
 
             def checked(ids, mask):
                 logits = predict(ids, mask)
@@ -68,11 +77,12 @@ def _watching_logits(open_function: Callable[[str], Callable[[], Predict]], back
                     seen[function] = f"{backend} returned logits holding {kind} (its ops cannot be inspected)"
                 return logits
 
+            checked.engine = getattr(predict, "engine", None)  # an emulated Swift engine, if any
             return checked
 
         return session
 
-    return Sessions(watched, seen.get)
+    return Sessions(watched, seen.get, drives)
 
 
 def function_sessions(package: Path, backend: Backend = "numpy") -> Sessions:
@@ -163,6 +173,8 @@ def _coreai_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
     from coreai.runtime import NDArray
 
     runtime = _CoreAIRuntime(package)
+    if aimodel.asset_contract(package) == "apple":
+        return _apple_sessions(package, summary, runtime)
     shapes = {
         name: {state: aimodel.shape_of(signature) for state, signature in summary.function_states(name)}
         for name in summary.function_names
@@ -189,11 +201,59 @@ def _coreai_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
     return open_function
 
 
+def _apple_sessions(package: Path, summary, runtime: _CoreAIRuntime) -> Callable[[str], Callable[[], Predict]]:
+    """Entry points of an asset of Apple's contract, each session an emulated Swift engine
+    (``verify.coreai_engine``): it sends the position ids and grows the caches itself, as the
+    runtime does, so the ``causalMask`` a caller passes is not sent (Apple's contract has none)."""
+    from coreai.runtime import NDArray
+
+    from adapterpack.verify.coreai_engine import SequentialEngine, check_signature
+
+    max_context = int(aimodel.asset_metadata(package).get(METADATA_PREFIX + "maxContext", "0") or 0)
+    if max_context < 1:  # what the bundle's max_context_length tells the runtime
+        raise BadInput(f"{package}: the asset's metadata has no maxContext")
+    features = {}
+    for name in summary.function_names:
+        signature = [
+            [aimodel.feature_of(*item) for item in listed(name)]
+            for listed in (summary.function_inputs, summary.function_outputs, summary.function_states)
+        ]
+        check_signature(name, *signature)
+        features[name] = signature
+
+    def open_function(function: str) -> Callable[[], Predict]:
+        entry = runtime.load(function)
+        inputs, outputs, states = features[function]
+        names = [name for name, _, _ in inputs]
+        logits = outputs[0][0]
+
+        def run(given: dict[str, np.ndarray], arrays: dict) -> np.ndarray:
+            sent = {names[0]: NDArray(np.ascontiguousarray(given["ids"])), names[1]: NDArray(np.ascontiguousarray(given["positions"]))}
+            return runtime.run(entry(sent, state=arrays))[logits].numpy()
+
+        def new_session(**engine) -> Predict:
+            """``engine``: ``SequentialEngine`` options (tests start smaller to make it grow)."""
+            shapes = {name: aimodel.dims_of(shape.replace("?", "-1")) for name, _, shape in states}
+            found = SequentialEngine(run, shapes, max_context=max_context, make=NDArray, read=lambda a: a.numpy(), **engine)
+
+            def predict(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+                return found.process(ids)[None]
+
+            predict.engine = found
+            return predict
+
+        return new_session
+
+    return open_function
+
+
 # Backend name -> the sessions that run a package there.
 SESSIONS: dict[str, Callable[[Path], Sessions]] = {
     "numpy": _executor_sessions,
     "coreml": lambda package: _watching_logits(_coreml_sessions(package), "Core ML"),
-    CORE_AI_RUNTIME: lambda package: _watching_logits(_coreai_sessions(package), CORE_AI_RUNTIME),
+    CORE_AI_RUNTIME: lambda package: _watching_logits(
+        _coreai_sessions(package), CORE_AI_RUNTIME, APPLE_DRIVES if aimodel.asset_contract(package) == "apple" else DRIVES
+    ),
 }
 
 
@@ -206,7 +266,7 @@ def drive_runner(package: Path, backend: Backend = "numpy") -> Callable[[str, np
     sessions = function_sessions(package, backend)
 
     def run(function: str, tokens: np.ndarray, prefill: int):
-        logits = run_drives(sessions(function), tokens, prefill)
+        logits = run_drives(sessions(function), tokens, prefill, sessions.drives)
         return logits, sessions.float16_trouble(function)
 
     return run

@@ -22,6 +22,9 @@ HASH_FILE = "main.hash"
 METADATA_FILE = "metadata.json"
 # Where adapterpack's metadata sits in metadata.json (coreai's set_custom).
 METADATA_KEY = "adapterpack"
+# The metadata key of the contract an asset's functions follow (config.manifest.CONTRACTS); an
+# asset without it was written before there was a choice: swift-transformers'.
+CONTRACT_KEY = METADATA_PREFIX + "contract"
 EXTRA_MISSING = 'the .aimodel format needs the [coreai] extra: pip install "adapterpack[coreai]"'
 
 _SIGNATURE = re.compile(r"NDArray \((\w+), (.*)\)")
@@ -35,6 +38,11 @@ def asset_metadata(path: Path) -> dict[str, str]:
         raise BadInput(f"{path}: not a readable .aimodel ({METADATA_FILE}: {error})") from None
     found = document.get("creatorDefinedMetadata", {}).get(METADATA_KEY, {})
     return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
+def asset_contract(path: Path) -> str:
+    """How the asset's functions are called: ``swift-transformers`` or ``apple``."""
+    return asset_metadata(path).get(CONTRACT_KEY, "swift-transformers")
 
 
 def program_intact(path: Path) -> bool:
