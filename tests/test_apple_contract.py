@@ -181,3 +181,79 @@ def test_the_contract_is_refused_where_it_cannot_apply(tmp_path):
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
 def test_every_family_runs_under_apple_s_contract(tmp_path, family):
     _assert_exact(_apple_asset(tmp_path, family, "float32"))
+
+
+@pytest.fixture(scope="session")
+def apple_release(tmp_path_factory):
+    """The llama family project released for Apple's runtime (float32 compute)."""
+    from adapterpack.release.artifacts import release
+    from test_generate import write_byte_level_tokenizer
+
+    root = tmp_path_factory.mktemp("apple-release")
+    manifest = make_family_project(root, "llama")
+    write_byte_level_tokenizer(root / "base")
+    manifest.write_text(manifest.read_text().replace(
+        "export: {max_context: 40}", "export: {max_context: 40, format: aimodel, compute_precision: float32}"
+    ))
+    return manifest, release(manifest, root / "dist", options=BuildOptions(contract="apple"))
+
+
+def test_a_release_has_a_bundle_per_function_that_runs_as_peft_computes(apple_release):
+    """Each bundle folder, loaded as ``LanguageBundle`` reads it, names the shared asset and its
+    function; the emulated engine runs that function there as the unmerged peft reference does."""
+    import json
+
+    from adapterpack.inputs.checked import check_inputs
+    from adapterpack.release.apple import BundleMetadata, load_bundle
+
+    manifest, released = apple_release
+    checked = check_inputs(manifest)
+    folder = released.bundle
+    asset = folder / f"{checked.manifest.name}.aimodel"
+    names = list(checked.manifest.function_names)
+    tokens = verification_tokens(int(checked.base.config["vocab_size"]), checked.manifest.verify)
+    _, base_reference, references = reference_logits(checked, [n for n in names if n != "base"])
+    references["base"] = base_reference
+    sums = (released.sums).read_text()
+    for function in names:
+        BundleMetadata.model_validate(json.loads((folder / function / "metadata.json").read_text()))
+        found, runs, max_context, tokenizer = load_bundle(folder / function)
+        assert (found, runs, max_context) == (asset.resolve(), function, 40)
+        assert tokenizer is not None and (tokenizer / "tokenizer_config.json").is_file()
+        assert f"{folder.name}/{function}/metadata.json" in sums
+        got = run_drive(function_sessions(found)(runs)(), tokens, 9, "apple")
+        reference = references[function][: len(tokens)]
+        cosine = float((got * reference).sum() / np.linalg.norm(got) / np.linalg.norm(reference))
+        assert cosine >= 0.9999, (function, cosine)
+    assert sorted(p.name for p in folder.glob("*.aimodel")) == [asset.name]  # one asset, shared
+    assert "CoreAILanguageModel(resourcesAt: url)" in (folder / "README.md").read_text()
+
+
+def test_the_bundle_schema_refuses_what_the_swift_decoders_refuse(tmp_path):
+    import json
+
+    from adapterpack.release.apple import bundle_metadata_schema, load_bundle
+
+    schema = bundle_metadata_schema()
+    assert set(schema["required"]) == {"metadata_version", "kind", "name", "assets", "language"}
+    (tmp_path / "x.aimodel").mkdir()
+    good = {
+        "metadata_version": "0.2", "kind": "llm", "name": "n", "assets": {"main": "../x.aimodel"},
+        "language": {"tokenizer": "t", "vocab_size": 8, "max_context_length": 16, "function_map": {"main": ["f"]}},
+        "something_new": 1,  # Swift's decoders ignore keys they do not know
+    }
+    bundle = tmp_path / "f"
+    bundle.mkdir()
+    (bundle / "metadata.json").write_text(json.dumps(good))
+    assert load_bundle(bundle)[1:3] == ("f", 16)
+    for broken, reason in [
+        ({**good, "metadata_version": "0.1"}, "metadata_version"),
+        ({**good, "kind": "diffusion"}, "expected bundle kind llm"),
+        ({k: v for k, v in good.items() if k != "language"}, "language"),
+        ({**good, "assets": {}}, "assets.main"),
+        ({**good, "assets": {"main": "../missing.aimodel"}}, "not found"),
+        ({**good, "language": {**good["language"], "vocab_size": "8"}}, "language.vocab_size"),
+    ]:
+        (bundle / "metadata.json").write_text(json.dumps(broken))
+        with pytest.raises(BadInput, match=reason):
+            load_bundle(bundle)

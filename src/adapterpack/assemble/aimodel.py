@@ -90,8 +90,10 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
         metadata, description = metadata_of([records[name] for name in names], library_versions(AIMODEL.libraries))
         # What `inspect` needs for the activations estimate, which a .mlpackage reads from its program.
         metadata[METADATA_PREFIX + "shape"] = json.dumps(model_sizes(checked.base.config), sort_keys=True)
-        # How its functions are called: what verify, generate and eval drive them with.
-        metadata[CONTRACT_KEY] = manifest.export.contract
+        if manifest.export.contract != "swift-transformers":
+            # How its functions are called: what verify, generate and eval drive them with (an
+            # asset without the key follows swift-transformers', as every asset did before).
+            metadata[CONTRACT_KEY] = manifest.export.contract
         with reporter.stage(f"convert {len(names)} function(s) to one Core AI program"):
             session.save(target, metadata=metadata, description=description)
     finally:

@@ -159,8 +159,8 @@ def _checked_release(manifest, out_dir: Path, options: BuildOptions, *, bundle: 
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput(f"{out_dir}: --out-dir names a file; give a folder (it is created when missing)")
     checked = check_inputs(manifest, allow_pickle=options.allow_pickle, strict=options.strict)
-    package_format = chosen_format(checked.manifest, None, options.package_format)
-    checked = checked.with_format(package_format.name)  # build's own state-size check warns once
+    package_format = chosen_format(checked.manifest, None, options.package_format, options.contract)
+    checked = checked.with_format(package_format.name, options.contract)  # build's own state-size check warns once
     if bundle:
         check_tokenizer_files(checked)
     if eval_text is not None:

@@ -67,6 +67,16 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
             copied.append(name)
     listing = read_functions(folder / package.name)
     (folder / f"{SWIFT_TYPE}.swift").write_text(swift_enum(listing, SWIFT_TYPE) + "\n")
+    # Only a Core AI asset can follow Apple's contract (config.manifest.Export.check_for_format).
+    if checked.manifest.export.contract == "apple":
+        from adapterpack.inputs.checked import hf_name
+        from adapterpack.release.apple import write_apple_bundles
+
+        write_apple_bundles(
+            folder, asset_name=package.name, functions=list(checked.manifest.function_names), name=checked.manifest.name,
+            tokenizer_id=hf_name(checked), vocab_size=int(checked.base.config["vocab_size"]),
+            max_context=int(checked.manifest.export.max_context), tokenizer_source=checked.base.folder,
+        )
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     hashes = {p.relative_to(folder.parent).as_posix(): sha256_files([p]) for p in files}
     card = model_card(checked, result, package.name, copied, hashes, folder.name, eval_report)
@@ -103,7 +113,10 @@ def model_card(checked, result, package_name: str, tokenizer_files: list[str], h
         lines += _evaluation_section(eval_report)
     lines += _memory_section(result)
     first = result.functions[0].name
-    lines += swift_usage(card, package_name, bundle_name, first, tokenizer_files, manifest.export.max_context)
+    if manifest.export.contract == "apple":
+        lines += apple_usage(package_name, bundle_name, [f.name for f in result.functions])
+    else:
+        lines += swift_usage(card, package_name, bundle_name, first, tokenizer_files, manifest.export.max_context)
     lines += ["## Files", "", "| file | sha256 |", "|---|---|"]
     for path, digest in hashes.items():
         lines.append(f"| `{path.split('/', 1)[1]}` | `{digest}` |")
@@ -146,7 +159,7 @@ def _verification_section(report) -> list[str]:
         "## Verification",
         "",
         f"Every function against its PyTorch reference (the float32 base with the adapter applied by peft, not merged), "
-        f"driven as swift-transformers drives it ({report.backend} backend):",
+        f"driven as {_clients(report)} drives it ({report.backend} backend):",
         "",
         "| function | worse drive | cosine | top-1 | KL | retention | result |",
         "|---|---|---|---|---|---|---|",
@@ -158,6 +171,11 @@ def _verification_section(report) -> list[str]:
             f"{'pass' if f.passed else 'FAIL'} |"
         )
     return lines
+
+
+def _clients(report) -> str:
+    drives = {drive for f in report.functions for drive in f.by_drive}
+    return "Apple's Core AI Swift engine" if "apple" in drives else "swift-transformers"
 
 
 def _evaluation_section(eval_report) -> list[str]:
@@ -225,3 +243,33 @@ def swift_usage(card, package_name: str, bundle_name: str, first: str, tokenizer
     )
     lead, code, note = card.swift(package_name, bundle_name, SWIFT_TYPE, swift_case_name(first), tokenizer)
     return ["", "## Use from Swift", "", lead, "", "```swift", *code, "```", "", contract + note, ""]
+
+
+def apple_usage(package_name: str, bundle_name: str, functions: list[str]) -> list[str]:
+    """The model card's "Use from Swift" section for Apple's runtime contract (``release.apple``)."""
+    first = functions[0]
+    return [
+        "",
+        "## Use from Swift",
+        "",
+        f"Each function has its own bundle folder here ({', '.join(f'`{f}/`' for f in functions)}), which Apple's "
+        "Core AI runtime for language models ([apple/coreai-models](https://github.com/apple/coreai-models), "
+        "product `CoreAILM`) loads as a FoundationModels `LanguageModel`. Add this folder to the app as a folder "
+        f"reference (so that each bundle finds `../{package_name}`, which all of them share), then:",
+        "",
+        "```swift",
+        "import CoreAILanguageModels",
+        "import FoundationModels",
+        "",
+        f'let url = Bundle.main.url(forResource: "{first}", withExtension: nil, subdirectory: "{bundle_name}")!',
+        "let model = try await CoreAILanguageModel(resourcesAt: url)",
+        "let session = LanguageModelSession(model: model)",
+        'let response = try await session.respond(to: "...")',
+        "print(response.content)",
+        "```",
+        "",
+        "The runtime runs the function the bundle's `metadata.json` names (`language.function_map.main`), sends the "
+        "position ids and grows the KV-cache itself; tokenization and the chat template come from the bundle's "
+        "`tokenizer/` folder.",
+        "",
+    ]
