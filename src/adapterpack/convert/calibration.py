@@ -31,22 +31,30 @@ def channel_energies(model, texts: list[list[int]], window: int) -> dict[str, np
         return add
 
     handles = [module.register_forward_pre_hook(hook(name)) for name, module in linears.items()]
-    counted = 0
     try:
-        with torch.no_grad():
-            for ids in texts:
-                if not ids:
-                    continue
-                for total in totals.values():
-                    total.zero_()
-                for start in range(0, len(ids), window):
-                    model(torch.tensor([ids[start : start + window]]))
-                for name, total in totals.items():
-                    means[name] += total / len(ids)
-                counted += 1
+        return _text_means(model, texts, window, totals, means)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _text_means(model, texts: list[list[int]], window: int, totals: dict, means: dict) -> dict[str, np.ndarray]:
+    """Run ``model`` over each text in windows while hooks add into ``totals`` (zeroed per text);
+    each text's totals per token count once in ``means``: the mean over texts, as numpy."""
+    import torch
+
+    counted = 0
+    with torch.no_grad():
+        for ids in texts:
+            if not ids:
+                continue
+            for total in totals.values():
+                total.zero_()
+            for start in range(0, len(ids), window):
+                model(torch.tensor([ids[start : start + window]]))
+            for name, total in totals.items():
+                means[name] += total / len(ids)
+            counted += 1
     return {name: (mean / max(counted, 1)).numpy() for name, mean in means.items()}
 
 
@@ -84,22 +92,10 @@ def input_grams(model, texts: list[list[int]], window: int, modules: list[str]) 
         return add
 
     handles = [module.register_forward_pre_hook(hook(name)) for name, module in linears.items()]
-    counted = 0
     try:
-        with torch.no_grad():
-            for ids in texts:
-                if not ids:
-                    continue
-                for total in totals.values():
-                    total.zero_()
-                for start in range(0, len(ids), window):
-                    model(torch.tensor([ids[start : start + window]]))
-                for name, total in totals.items():
-                    means[name].add_(total, alpha=1.0 / len(ids))
-                counted += 1
+        shared = _text_means(model, texts, window, totals, means)
     finally:
         last[0] = None
         for handle in handles:
             handle.remove()
-    shared = {name: (mean / max(counted, 1)).numpy() for name, mean in means.items()}
     return {name: shared[site] for name, site in site_of.items() if site in shared}
