@@ -198,6 +198,7 @@ def apple_release(tmp_path_factory):
     return manifest, release(manifest, root / "dist", options=BuildOptions(contract="apple"))
 
 
+@pytest.mark.slow
 def test_a_release_has_a_bundle_per_function_that_runs_as_peft_computes(apple_release):
     """Each bundle folder, loaded as ``LanguageBundle`` reads it, names the shared asset and its
     function; the emulated engine runs that function there as the unmerged peft reference does."""
