@@ -15,6 +15,7 @@ from adapterpack.verify.drives import APPLE_DRIVES, run_drive, verification_toke
 from adapterpack.verify.reference import reference_logits
 from adapterpack.verify.runners import function_sessions
 from factories import FAMILIES, make_family_project, make_project, run_cli
+from test_coreai import assert_exact
 
 
 def _apple_asset(root, family: str, compute: str):
@@ -34,14 +35,10 @@ def apple_asset(tmp_path_factory):
     return _apple_asset(tmp_path_factory.mktemp("apple-llama"), "llama", "float32")
 
 
-def _assert_exact(result, cosine: float = 0.9999):
+def _assert_exact(result):
     report = result.verify_report
-    assert report is not None and report.backend == "coreai-cpu" and report.passed, report.verdict()
-    assert {f.name for f in report.functions} == set(result.manifest.function_names)
-    for function in report.functions:
-        assert set(function.by_drive) == set(APPLE_DRIVES)
-        for drive, figures in function.by_drive.items():
-            assert figures["cosine"] >= cosine, (function.name, drive, figures)
+    assert report.passed, report.verdict()
+    assert_exact(result, drives=APPLE_DRIVES)
 
 
 def test_every_function_runs_on_the_emulated_engine_as_peft_computes_it(apple_asset):

@@ -14,7 +14,7 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
-from adapterpack.verify.drives import run_drives
+from adapterpack.verify.drives import DRIVES, run_drives
 from adapterpack.verify.reference import reference_logits
 from adapterpack.verify.runners import function_sessions
 from factories import FAMILIES, make_family_project, make_project, run_cli, tree_digest
@@ -39,12 +39,14 @@ def llama_asset(tmp_path_factory):
     return root, _family_asset(root, "llama", "float32")
 
 
-def _assert_exact(result, cosine: float = 0.9999):
+def assert_exact(result, cosine: float = 0.9999, drives: tuple[str, ...] = DRIVES):
+    """Every function of ``result``'s asset verified on Core AI's runtime under every drive of its
+    contract, each at ``cosine`` or better."""
     report = result.verify_report
     assert report is not None and report.backend == "coreai-cpu"
     assert {f.name for f in report.functions} == set(result.manifest.function_names)
     for function in report.functions:
-        assert set(function.by_drive) == {"swift", "python"}
+        assert set(function.by_drive) == set(drives)
         for drive, figures in function.by_drive.items():
             assert figures["cosine"] >= cosine, (function.name, drive, figures)
 
@@ -53,7 +55,7 @@ def test_family_asset_matches_peft_under_both_drives(llama_asset):
     root, result = llama_asset
     assert result.output.suffix == ".aimodel" and (result.output / "main.mlirb").is_file()
     assert result.verify_report.passed, result.verify_report.verdict()
-    _assert_exact(result)
+    assert_exact(result)
     by_name = {f.name: f for f in result.verify_report.functions}
     # The negative control: lora_B = 0 leaves the base; a random adapter moves the logits.
     assert by_name["zero"].adapter_effect == 0.0
@@ -81,7 +83,7 @@ def test_asset_entry_points_differ_where_the_adapters_do(llama_asset):
 def test_every_family_builds_as_an_asset(tmp_path, family):
     result = _family_asset(tmp_path, family, "float32")
     assert result.verify_report.passed, result.verify_report.verdict()
-    _assert_exact(result)
+    assert_exact(result)
 
 
 @pytest.mark.slow
@@ -99,7 +101,7 @@ verify: {min_top1: 0.0}
 """
     root = make_project(tmp_path, manifest, {"b": dict(std=0.1, seed=3, targets=("k_proj", "o_proj"))})
     result = build(root / "m.yaml", options=BuildOptions(use_cache=False))
-    _assert_exact(result)
+    assert_exact(result)
 
 
 COMPRESSED = """name: squeeze

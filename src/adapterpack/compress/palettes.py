@@ -165,11 +165,8 @@ class PaletteStore:
         """
         bits = [nbits] * len(flats) if isinstance(nbits, int) else list(nbits)
         importances = self._importance(flats, names, shapes)
-        compensated = [
-            self.importance is not None and names is not None and shapes is not None and importances[i] is not None
-            and self.importance.compensates(names[i], shapes[i])
-            for i in range(len(flats))
-        ]
+        # a weight with importance rows was named and shaped, and the store has its importance
+        compensated = [importances[i] is not None and self.importance.compensates(names[i], shapes[i]) for i in range(len(flats))]
         # hashed once, read and written by name
         files = [self._file(*args) for args in zip(flats, bits, importances, compensated)]
         results: list[Palettes | None] = [self._cached(file, flat, n) for file, flat, n in zip(files, flats, bits)]

@@ -62,17 +62,18 @@ def run_drive(predict, tokens: np.ndarray, prefill: int, drive: str) -> np.ndarr
     each decode step.
     """
     outputs = []
+    style = "swift" if drive == "swift" else "python"  # an apple session sends no mask at all
     if drive == "apple-chunked":
         size = max(1, -(-prefill // APPLE_CHUNKS))
         for start in range(0, prefill, size):
             chunk = tokens[start : min(prefill, start + size)].astype(np.int32)[None, :]
-            outputs.append(predict(chunk, drive_mask("python", start, chunk.shape[1])))
+            outputs.append(predict(chunk, drive_mask(style, start, chunk.shape[1])))
     else:
         first = tokens[:prefill].astype(np.int32)[None, :]
-        outputs.append(predict(first, drive_mask("swift" if drive == "swift" else "python", 0, prefill)))
+        outputs.append(predict(first, drive_mask(style, 0, prefill)))
     for end in range(prefill + 1, len(tokens) + 1):
         step = tokens[end - 1 : end].astype(np.int32)[None, :]
-        outputs.append(predict(step, drive_mask("swift" if drive == "swift" else "python", end - 1, 1)))
+        outputs.append(predict(step, drive_mask(style, end - 1, 1)))
     return np.concatenate([o.reshape(1, -1, o.shape[-1]) for o in outputs], axis=1)[0].astype(np.float32)
 
 

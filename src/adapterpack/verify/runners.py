@@ -167,14 +167,20 @@ def _close_asset(loop, opened) -> None:
     loop.close()
 
 
-def _coreai_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
-    """Entry points of a Core AI asset on Core AI's runtime (the CPU off Apple devices)."""
+def _coreai_sessions(package: Path) -> Sessions:
+    """Entry points of a Core AI asset on Core AI's runtime (the CPU off Apple devices), driven as
+    the clients of its contract drive them."""
     summary = aimodel.asset_summary(package)  # BadInput without the [coreai] extra or for a broken asset
-    from coreai.runtime import NDArray
-
     runtime = _CoreAIRuntime(package)
     if aimodel.asset_contract(package) == "apple":
-        return _apple_sessions(package, summary, runtime)
+        return _watching_logits(_apple_sessions(package, summary, runtime), CORE_AI_RUNTIME, APPLE_DRIVES)
+    return _watching_logits(_swift_transformers_sessions(summary, runtime), CORE_AI_RUNTIME)
+
+
+def _swift_transformers_sessions(summary, runtime: _CoreAIRuntime) -> Callable[[str], Callable[[], Predict]]:
+    """Entry points of an asset of swift-transformers' contract: the caller's mask is sent."""
+    from coreai.runtime import NDArray
+
     shapes = {
         name: {state: aimodel.shape_of(signature) for state, signature in summary.function_states(name)}
         for name in summary.function_names
@@ -251,9 +257,7 @@ def _apple_sessions(package: Path, summary, runtime: _CoreAIRuntime) -> Callable
 SESSIONS: dict[str, Callable[[Path], Sessions]] = {
     "numpy": _executor_sessions,
     "coreml": lambda package: _watching_logits(_coreml_sessions(package), "Core ML"),
-    CORE_AI_RUNTIME: lambda package: _watching_logits(
-        _coreai_sessions(package), CORE_AI_RUNTIME, APPLE_DRIVES if aimodel.asset_contract(package) == "apple" else DRIVES
-    ),
+    CORE_AI_RUNTIME: _coreai_sessions,
 }
 
 
