@@ -125,8 +125,8 @@ def test_auto_records_its_choice_and_figures(demo):
     for name, recorded in functions.items():
         figures = recorded["auto"]
         assert figures["met"] and figures["perplexity_ratio"] <= 1.05 and figures["max_perplexity_ratio"] == 1.05
-        assert (figures["retention"] is None) == (name == "base")
-        assert name == "base" or figures["retention"] >= 0.9
+        assert (figures["retention"] is None) == (figures["seeded_retention"] is None) == (name == "base")
+        assert name == "base" or min(figures["retention"], figures["seeded_retention"]) >= 0.9
         assert "data-aware" in recorded["compression"]
         assert ("layer" in recorded["compression"]) == (figures["exceptions"] > 0)
     cache = demo.output.parent / "cache"

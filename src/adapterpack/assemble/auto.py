@@ -18,6 +18,11 @@ down to the fewest (largest errors first) that still do. Candidates are the laye
 the functions that start alike (a shared base weight moves for all of them, so it stays stored
 once) and the layers a failing adapter changes (its own tensors, which cost only it).
 
+An adapter's retention is measured twice, and the lower one counts: on its calibration text,
+and on the seeded token ids ``verify`` checks every function on (``verify.drives``), so that a
+choice that keeps a skill on its own text does not fail the package's verification (palettes
+compensated on that text fit it, not the rest of the inputs).
+
 Everything is computed in float32 from the float16 weights the package stores, with the very
 palettes the build then writes (the palette store and its cache are shared), so what is measured
 is what is built; the search is deterministic and its result is kept in the build cache.
@@ -41,7 +46,7 @@ from adapterpack.inputs.checked import CheckedInputs
 log = logging.getLogger(__name__)
 
 # Bump when the search changes, so choices cached by an older version are made again.
-AUTO_VERSION = 2
+AUTO_VERSION = 3
 # Tokens of each function's calibration text it is measured on (a bound on the search's time).
 AUTO_TOKENS = 1024
 # Share of the candidates' remaining error moved up a step per round.
@@ -51,6 +56,10 @@ MAX_ROUNDS = 64
 RESULT_FILE = "auto.json"
 
 
+# (perplexity ratio, retention on the text, retention on verify's token ids); None for the base
+_Figures = tuple[float, float | None, float | None]
+
+
 @dataclass(frozen=True)
 class AutoChoice:
     """What ``auto`` chose for one function, and what it measured there."""
@@ -58,15 +67,17 @@ class AutoChoice:
     function: str
     compression: Compression  # the start with its per-layer exceptions
     perplexity_ratio: float
-    retention: float | None  # adapters only
+    retention: float | None  # adapters only: on the calibration text
     met: bool
     tokens: int
+    seeded_retention: float | None = None  # adapters only: on verify's seeded token ids
 
     def as_metadata(self) -> dict[str, object]:
         targets = self.compression.auto
         return {
             "perplexity_ratio": round(self.perplexity_ratio, 5),
             "retention": None if self.retention is None else round(self.retention, 5),
+            "seeded_retention": None if self.seeded_retention is None else round(self.seeded_retention, 5),
             "max_perplexity_ratio": float(targets.max_perplexity_ratio),
             "min_retention": float(targets.min_retention),
             "met": self.met,
@@ -111,6 +122,9 @@ class _Function:
     reference_nll: float = 0.0
     base_logits: np.ndarray | None = None  # float16, adapters only
     effect: np.ndarray | None = None  # uncompressed adapter's logits minus the base's
+    seeded_ids: list[int] = field(default_factory=list)  # verify's token ids
+    seeded_base_logits: np.ndarray | None = None  # as base_logits and effect, on seeded_ids
+    seeded_effect: np.ndarray | None = None
 
 
 def auto_functions(checked: CheckedInputs) -> list[str]:
@@ -170,7 +184,8 @@ def resolve_auto(checked: CheckedInputs, reporter, palettes_files, cache=None) -
         if not choice.met:
             reporter.info(
                 f"auto: {choice.function} misses its targets even with every layer float16 "
-                f"(perplexity ratio {choice.perplexity_ratio:.3f}, retention {choice.retention})"
+                f"(perplexity ratio {choice.perplexity_ratio:.3f}, retention {choice.retention}, "
+                f"on verify's token ids {choice.seeded_retention})"
             )
     return _with_choices(checked, choices), choices
 
@@ -199,6 +214,7 @@ def _to_json(choice: AutoChoice) -> dict:
         "compression": choice.compression.model_dump(mode="json"),
         "perplexity_ratio": choice.perplexity_ratio,
         "retention": choice.retention,
+        "seeded_retention": choice.seeded_retention,
         "met": choice.met,
         "tokens": choice.tokens,
     }
@@ -211,6 +227,7 @@ def _from_json(data: bytes, checked: CheckedInputs) -> dict[str, AutoChoice] | N
             name: AutoChoice(
                 name, Compression.model_validate(value["compression"]), float(value["perplexity_ratio"]),
                 None if value["retention"] is None else float(value["retention"]), bool(value["met"]), int(value["tokens"]),
+                None if value["seeded_retention"] is None else float(value["seeded_retention"]),
             )
             for name, value in stored.items()
         }
@@ -251,8 +268,9 @@ class _Search:
         with self.reporter.stage(f"auto: load the base and measure {len(self.names)} function(s) uncompressed"):
             base = load_base(self.checked.base.folder, dtype="float16")
             self.base_weights = {name: module.weight.detach().clone() for name, module in self._layers(base).items()}
-            functions = [self._prepare(base, name, ids[name][:AUTO_TOKENS]) for name in self.names]
-        figures: dict[str, tuple[float, float | None]] = {}
+            seeded = self._seeded_ids(base)
+            functions = [self._prepare(base, name, ids[name][:AUTO_TOKENS], seeded) for name in self.names]
+        figures: dict[str, _Figures] = {}
         moved: list[tuple[str, str]] = []
         for round_number in range(1, MAX_ROUNDS + 1):
             # only the functions a move reaches are measured again (all of them at first)
@@ -271,7 +289,7 @@ class _Search:
                 break
         return {f.name: self._choice(f, figures[f.name]) for f in functions}
 
-    def _measured(self, base, functions: list[_Function]) -> dict[str, tuple[float, float | None]]:
+    def _measured(self, base, functions: list[_Function]) -> dict[str, _Figures]:
         import torch
 
         self._compress_pending(functions)
@@ -307,12 +325,12 @@ class _Search:
         keep(best)
         return figures
 
-    def _meets(self, function: _Function, figures: tuple[float, float | None]) -> bool:
+    def _meets(self, function: _Function, figures: _Figures) -> bool:
         targets = function.start.auto
-        ratio, retention = figures
-        return ratio <= float(targets.max_perplexity_ratio) and (retention is None or retention >= float(targets.min_retention))
+        ratio, retentions = figures[0], [kept for kept in figures[1:] if kept is not None]
+        return ratio <= float(targets.max_perplexity_ratio) and all(kept >= float(targets.min_retention) for kept in retentions)
 
-    def _choice(self, function: _Function, figures: tuple[float, float | None]) -> AutoChoice:
+    def _choice(self, function: _Function, figures: _Figures) -> AutoChoice:
         steps = self.ladders[function.name]
         exceptions = {}
         for layer in sorted(self.eligible[function.name]):
@@ -320,7 +338,9 @@ class _Search:
             if step:
                 exceptions[layer] = _exception(steps[step])
         compression = Compression.model_validate({**function.start.model_dump(mode="json"), "layers": exceptions})
-        return AutoChoice(function.name, compression, figures[0], figures[1], self._meets(function, figures), len(function.ids))
+        return AutoChoice(
+            function.name, compression, figures[0], figures[1], self._meets(function, figures), len(function.ids), figures[2]
+        )
 
     # -- the functions ------------------------------------------------------------------------
 
@@ -342,7 +362,14 @@ class _Search:
         folder = self.checked.adapters[name].folder
         return applied_adapter(base, folder, mode="fuse", scale=float(adapter.scale), original_weight=stored_weight_reader(self.checked.base))
 
-    def _prepare(self, base, name: str, ids: list[int]) -> _Function:
+    def _seeded_ids(self, base) -> list[int]:
+        """The token ids verify checks every function on, as its reference reads them."""
+        from adapterpack.verify.drives import verification_tokens
+
+        tokens = verification_tokens(int(base.config.vocab_size), self.manifest.verify)
+        return [int(token) for token in tokens[: self.manifest.export.max_context - 1]]
+
+    def _prepare(self, base, name: str, ids: list[int], seeded_ids: list[int]) -> _Function:
         import torch
 
         from adapterpack.config.compression import weight_setting
@@ -351,10 +378,12 @@ class _Search:
         if len(ids) < 2:
             raise BadInput(f"{self.checked.calibration[name].path}: a calibration text needs at least 2 tokens")
         start = _start(self.manifest.compression_for(name))
-        function = _Function(name, start, ids)
+        function = _Function(name, start, ids, seeded_ids=seeded_ids)
         self.ladders[name] = ladder(start)
         with torch.no_grad(), computed_in_float32(base):
-            base_logits = self._logits(base, ids) if self.manifest.adapter(name) is not None else None
+            is_adapter = self.manifest.adapter(name) is not None
+            base_logits = self._logits(base, ids) if is_adapter else None
+            seeded_base_logits = self._seeded_logits(base, seeded_ids) if is_adapter else None
             with self._applied(base, name) as model:
                 layers = self._layers(model)
                 self.eligible[name] = {
@@ -370,11 +399,20 @@ class _Search:
                     function.private = changed
                     self.fused[name] = {layer: layers[layer].weight.detach().clone() for layer in changed}
                 logits = self._logits(model, ids)
+                seeded_logits = self._seeded_logits(model, seeded_ids) if is_adapter else None
         function.reference_nll = _nll(logits, ids)
-        if base_logits is not None:
+        if is_adapter:
             function.base_logits = base_logits.astype(np.float16)
             function.effect = (logits - base_logits).astype(np.float16)
+            function.seeded_base_logits = seeded_base_logits.astype(np.float16)
+            function.seeded_effect = (seeded_logits - seeded_base_logits).astype(np.float16)
         return function
+
+    def _seeded_logits(self, model, ids: list[int]) -> np.ndarray:
+        """Logits of every position of verify's token ids, in one call as verify's reference."""
+        import torch
+
+        return model(torch.tensor([ids])).logits[0].float().numpy()
 
     def _logits(self, model, ids: list[int]) -> np.ndarray:
         """Logits of every position but the last, window by window (float32)."""
@@ -389,9 +427,9 @@ class _Search:
             rows.append(model(torch.tensor([chunk[:-1]])).logits[0].float().numpy())
         return np.concatenate(rows)
 
-    def _measure(self, base, function: _Function) -> tuple[float, float | None]:
-        """(perplexity ratio, retention) of ``function`` with every layer at its current step."""
-        from adapterpack.verify.metrics import retention_of_sums
+    def _measure(self, base, function: _Function) -> _Figures:
+        """(perplexity ratio, retention on the text and on verify's token ids) of ``function``
+        with every layer at its current step."""
         from adapterpack.verify.reference import computed_in_float32
 
         with self._applied(base, function.name) as model, computed_in_float32(model):
@@ -404,16 +442,18 @@ class _Search:
                     stored = self._weight(function, layer)
                     weight.data = stored.float() + function.deltas[layer] if layer in function.deltas else stored
                 logits = self._logits(model, function.ids)
+                seeded = self._seeded_logits(model, function.seeded_ids) if function.effect is not None else None
             finally:
                 for layer, data in kept.items():
                     layers[layer].weight.data = data
         ratio = math.exp(_nll(logits, function.ids) - function.reference_nll)
         if function.effect is None:
-            return ratio, None
-        change = logits.astype(np.float64) - function.base_logits
-        effect = function.effect.astype(np.float64)
-        retention = retention_of_sums(float((change * effect).sum()), float((change * change).sum()), float((effect * effect).sum()))
-        return ratio, retention
+            return ratio, None, None
+        return (
+            ratio,
+            _retention(logits, function.base_logits, function.effect),
+            _retention(seeded, function.seeded_base_logits, function.seeded_effect),
+        )
 
     # -- layers: their steps, weights and errors ----------------------------------------------
 
@@ -512,6 +552,15 @@ class _Search:
             self.errors.pop(key, None)
         log.debug("auto: moved %d layer(s) up a step", len(moved))
         return moved
+
+
+def _retention(logits: np.ndarray, base_logits: np.ndarray, effect: np.ndarray) -> float:
+    """The cosine between the change of ``logits`` from the base's and the adapter's own change."""
+    from adapterpack.verify.metrics import retention_of_sums
+
+    change = logits.astype(np.float64) - base_logits
+    effect = effect.astype(np.float64)
+    return retention_of_sums(float((change * effect).sum()), float((change * change).sum()), float((effect * effect).sum()))
 
 
 def _nll(logits: np.ndarray, ids: list[int]) -> float:
