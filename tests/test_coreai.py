@@ -63,6 +63,20 @@ def test_family_asset_matches_peft_under_both_drives(llama_asset):
     assert by_name["kept"].retention > 0.999
 
 
+def test_drives_run_at_once_give_what_they_give_one_after_another(llama_asset):
+    """Verify runs a Core AI asset's drives concurrently (the runtime leaves a core idle per
+    call): each drive's logits are bit for bit those of the same drive run alone."""
+    root, result = llama_asset
+    tokens = np.arange(3, 15)
+    sessions = function_sessions(result.output)
+    assert sessions.concurrent
+    together = run_drives(sessions("rs"), tokens, 5, concurrent=True)
+    alone = run_drives(sessions("rs"), tokens, 5, concurrent=False)
+    assert set(together) == set(DRIVES)
+    for drive in DRIVES:
+        np.testing.assert_array_equal(together[drive], alone[drive], err_msg=drive)
+
+
 def test_asset_entry_points_differ_where_the_adapters_do(llama_asset):
     """Each entry point runs its own adapter: the runtime's logits for two adapters differ as the
     peft references do, and the zero-B function equals the base."""

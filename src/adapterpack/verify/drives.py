@@ -81,8 +81,16 @@ Predict = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (inputIds, causalMas
 
 
 def run_drives(
-    session: Callable[[], Predict], tokens: np.ndarray, prefill: int, drives: tuple[str, ...] = DRIVES
+    session: Callable[[], Predict], tokens: np.ndarray, prefill: int, drives: tuple[str, ...] = DRIVES, *, concurrent: bool = False
 ) -> dict[str, np.ndarray]:
     """Logits of every drive, each through a fresh state: ``session()`` returns a predict
-    function bound to a new state (what ``makeState()`` gives a client)."""
-    return {drive: run_drive(session(), tokens, prefill, drive) for drive in drives}
+    function bound to a new state (what ``makeState()`` gives a client); with ``concurrent``,
+    the drives run at once, one thread each (the sessions are made here, one after another)."""
+    if not concurrent or len(drives) < 2:
+        return {drive: run_drive(session(), tokens, prefill, drive) for drive in drives}
+    from concurrent.futures import ThreadPoolExecutor
+
+    sessions = [session() for _ in drives]
+    with ThreadPoolExecutor(len(drives), thread_name_prefix="drive") as pool:
+        running = [pool.submit(run_drive, predict, tokens, prefill, drive) for predict, drive in zip(sessions, drives)]
+        return {drive: future.result() for drive, future in zip(drives, running)}

@@ -39,17 +39,21 @@ class Sessions:
     holds one function's weights, not the package's) and returns ``new_session()``: a predict
     bound to a fresh state, what ``makeState()`` gives a client. ``float16_trouble(function)``
     says where that function's arithmetic first overflowed float16 (or gave NaN) in the calls
-    so far, as far as the backend lets it be seen; None when it never did."""
+    so far, as far as the backend lets it be seen; None when it never did. ``concurrent``: the
+    drives may run at once, each session in its own thread (a runtime that computes outside
+    Python and leaves a core idle)."""
 
     def __init__(
         self,
         open_function: Callable[[str], Callable[[], Predict]],
         trouble: Callable[[str], str | None],
         drives: tuple[str, ...] = DRIVES,
+        concurrent: bool = False,
     ):
         self._open = open_function
         self._trouble = trouble
         self.drives = drives  # how this package's clients call it (verify.drives)
+        self.concurrent = concurrent
 
     def __call__(self, function: str) -> Callable[[], Predict]:
         return self._open(function)
@@ -59,7 +63,7 @@ class Sessions:
 
 
 def _watching_logits(
-    open_function: Callable[[str], Callable[[], Predict]], backend: str, drives: tuple[str, ...] = DRIVES
+    open_function: Callable[[str], Callable[[], Predict]], backend: str, drives: tuple[str, ...] = DRIVES, concurrent: bool = False
 ) -> Sessions:
     """Sessions of a runtime whose ops cannot be seen: only non-finite logits are noticed."""
     seen: dict[str, str] = {}
@@ -82,7 +86,7 @@ def _watching_logits(
 
         return session
 
-    return Sessions(watched, seen.get, drives)
+    return Sessions(watched, seen.get, drives, concurrent)
 
 
 def function_sessions(package: Path, backend: Backend = "numpy") -> Sessions:
@@ -141,17 +145,21 @@ def _coreml_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
 
 class _CoreAIRuntime:
     """One asset loaded on Core AI's runtime, driven synchronously: its API is async, so one event
-    loop serves every call; the model is released when nothing refers to this any more."""
+    loop, in a thread of its own, serves every call, from any thread (two drives' calls overlap:
+    the runtime computes in its own worker threads, and one call keeps about one core busy);
+    the model is released when nothing refers to this any more."""
 
     def __init__(self, package: Path):
         import asyncio
+        import threading
 
         from coreai.authoring.asset import AIModelAsset
 
         self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="coreai-calls", daemon=True).start()
         opened = AIModelAsset.load(package).executable()
         with native_output_captured():  # the runtime prints a line per model and function it loads
-            self.model = self.loop.run_until_complete(opened.__aenter__())
+            self.model = self.run(opened.__aenter__())
         weakref.finalize(self, _close_asset, self.loop, opened)
 
     def load(self, function: str):
@@ -159,12 +167,16 @@ class _CoreAIRuntime:
             return self.model.load_function(function)
 
     def run(self, call):
-        return self.loop.run_until_complete(call)
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(call, self.loop).result()
 
 
 def _close_asset(loop, opened) -> None:
-    loop.run_until_complete(opened.__aexit__(None, None, None))
-    loop.close()
+    import asyncio
+
+    asyncio.run_coroutine_threadsafe(opened.__aexit__(None, None, None), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
 
 
 def _coreai_sessions(package: Path) -> Sessions:
@@ -173,8 +185,8 @@ def _coreai_sessions(package: Path) -> Sessions:
     summary = aimodel.asset_summary(package)  # BadInput without the [coreai] extra or for a broken asset
     runtime = _CoreAIRuntime(package)
     if aimodel.asset_contract(package) == "apple":
-        return _watching_logits(_apple_sessions(package, summary, runtime), CORE_AI_RUNTIME, APPLE_DRIVES)
-    return _watching_logits(_swift_transformers_sessions(summary, runtime), CORE_AI_RUNTIME)
+        return _watching_logits(_apple_sessions(package, summary, runtime), CORE_AI_RUNTIME, APPLE_DRIVES, concurrent=True)
+    return _watching_logits(_swift_transformers_sessions(summary, runtime), CORE_AI_RUNTIME, concurrent=True)
 
 
 def _swift_transformers_sessions(summary, runtime: _CoreAIRuntime) -> Callable[[str], Callable[[], Predict]]:
@@ -270,7 +282,7 @@ def drive_runner(package: Path, backend: Backend = "numpy") -> Callable[[str, np
     sessions = function_sessions(package, backend)
 
     def run(function: str, tokens: np.ndarray, prefill: int):
-        logits = run_drives(sessions(function), tokens, prefill, sessions.drives)
+        logits = run_drives(sessions(function), tokens, prefill, sessions.drives, concurrent=sessions.concurrent)
         return logits, sessions.float16_trouble(function)
 
     return run
