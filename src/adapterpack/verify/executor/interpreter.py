@@ -22,7 +22,7 @@ input-dependent ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,10 +269,6 @@ def _program_spec(path: str):
     if spec.WhichOneof("Type") != "mlProgram":
         raise ValueError(f"{path} is not an ML Program (found {spec.WhichOneof('Type')!r})")
     return spec
-
-
-# float32 copies of float16 matmul weights made ahead of time (see ``_widen_static_operands``).
-WIDEN_BUDGET_BYTES = 1 << 30
 
 
 class ProgramExecutor:
@@ -537,35 +533,9 @@ class ProgramExecutor:
                     compiler.folded(step)
                 else:
                     compiler.kept(step)
-        compiled = compiler.compiled(self._widen_static_operands)
+        compiled = compiler.compiled()
         self._compiled[name] = compiled
         return compiled
-
-    @staticmethod
-    def _widen_static_operands(steps: list[_Step], env: list[Any], static: set[int]) -> None:
-        """Pre-convert float16 constant matmul operands to float32 once, up to a memory budget.
-
-        linear/matmul widen their operands anyway (see ``_f32``, exact for float16), so the
-        result is the same either way; doing it for the weights here keeps that per-call
-        conversion off the hot path. Past ``WIDEN_BUDGET_BYTES`` of float32 copies (a 1B model's
-        would be 5 GB) the weights stay float16 and are widened per call.
-        """
-        widened: dict[int, int] = {}
-        spent = 0
-        for step in steps:
-            if step.op_type not in ("linear", "matmul"):
-                continue
-            new_args = []
-            for param, ref in step.args:
-                if isinstance(ref, int) and ref in static and getattr(env[ref], "dtype", None) == np.float16:
-                    if ref not in widened and spent + env[ref].size * 4 <= WIDEN_BUDGET_BYTES:
-                        widened[ref] = len(env)
-                        env.append(env[ref].astype(np.float32))
-                        static.add(widened[ref])
-                        spent += env[ref].size * 4
-                    ref = widened.get(ref, ref)
-                new_args.append((param, ref))
-            step.args = tuple(new_args)
 
 
 class _Compiler:
@@ -681,9 +651,8 @@ class _Compiler:
         for ref in set(self._refs(step)) & self.readers_left.keys():
             self.readers_left.pop(ref)
 
-    def compiled(self, widen: Callable[[list[_Step], list[Any], set[int]], None]) -> _Compiled:
+    def compiled(self) -> _Compiled:
         outputs = [(var.name, self.slot_of(var)) for var in self.func.outputs]
-        widen(self.steps, self.env, self.static)
         # Drop folded intermediates nobody reads at run time (e.g. the compressed blobs).
         needed = {r for s in self.steps for r in self._refs(s)}
         needed |= {slot for _, slot in outputs}
