@@ -12,6 +12,7 @@ peak RSS, package sizes and ratios, and the rebuild after one adapter changed (w
     .venv/bin/pip install -e ".[bench]"                              # the baseline's k-means needs these
     .venv/bin/python benchmarks/build_time.py --with-verify         # ~25M-parameter Llama, 4 adapters
     .venv/bin/python benchmarks/build_time.py --shape 25m 1b 3b --baseline-shapes 25m --verify-package --keep
+    .venv/bin/python benchmarks/build_time.py --shape 1b 3b --skip-baseline --verify-package --verify-previous
 
 Shapes: 25m (a small Llama), and the published Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B
 shapes with random float16 weights (made once under ``--work``). Each build runs in its own
@@ -272,6 +273,13 @@ def machine() -> dict:
     return info
 
 
+# `adapterpack verify` with the executor's float16 products widened in numpy (its previous way).
+PREVIOUS_VERIFY = (
+    "import sys; import adapterpack.verify.executor.linalg as linalg; linalg.FLOAT16_PRODUCTS_IN_TORCH = False;"
+    "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
+)
+
+
 def run_shape(args, shape: str) -> dict:
     """Every figure of one shape, in one place."""
     root = args.work / shape
@@ -287,6 +295,12 @@ def run_shape(args, shape: str) -> dict:
     cli = str(Path(PYTHON).parent / "adapterpack")
     if args.verify_package:  # verify alone: its own peak, apart from the build's
         figures["adapterpack_verify"] = peak_rss_of([cli, "verify", str(ours), "--manifest", str(manifest)], None)
+        figures["verify_over_build"] = round(figures["adapterpack_verify"]["seconds"] / figures["adapterpack_full"]["seconds"], 3)
+    if args.verify_previous:  # the same verify with float16 products widened in numpy, as before
+        previous = [PYTHON, "-c", PREVIOUS_VERIFY, "verify", str(ours), "--manifest", str(manifest)]
+        figures["verify_numpy_products"] = peak_rss_of(previous, None)
+        if "adapterpack_verify" in figures:
+            figures["verify_speedup"] = round(figures["verify_numpy_products"]["seconds"] / figures["adapterpack_verify"]["seconds"], 2)
     if args.with_verify:  # the default build verifies every function; unchanged ones keep their verdict
         figures.update(full_and_rebuild(root, manifest, root / "out" / "verified.mlpackage", verify=True))
     if args.keep:
@@ -320,6 +334,8 @@ def main() -> None:
     parser.add_argument("--baseline-shapes", nargs="+", choices=sorted(SHAPES), help="run the baseline for these shapes only")
     parser.add_argument("--with-verify", action="store_true", help="also time full and rebuild with verification on")
     parser.add_argument("--verify-package", action="store_true", help="also time `adapterpack verify` of the built package")
+    parser.add_argument("--verify-previous", action="store_true",
+                        help="also time verify with float16 products widened in numpy, the executor's previous way")
     parser.add_argument("--keep", action="store_true", help="also time full and rebuild with lora: keep")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

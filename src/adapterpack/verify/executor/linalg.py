@@ -25,6 +25,9 @@ from adapterpack.verify.executor.registry import (
 # A float16 weight larger than this is widened to float32 a slice of output rows at a time:
 # widening a 3B model's 128256 x 3072 lm_head whole would hold 1.6 GB for one product.
 WIDEN_SLICE_VALUES = 1 << 24
+# float16 x float16 products in torch's kernel (see _times_weight); False widens them in numpy,
+# as the executor did before (benchmarks/verify_time.py compares the two).
+FLOAT16_PRODUCTS_IN_TORCH = True
 
 
 def _times_weight(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -39,7 +42,8 @@ def _times_weight(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = N
     with its size. Otherwise float16 weights are widened a slice at a time.
     """
     x = np.asarray(x)
-    if x.dtype == np.float16 and weight.dtype == np.float16 and weight.ndim == 2 and (bias is None or bias.dtype == np.float16):
+    both_float16 = x.dtype == np.float16 and weight.dtype == np.float16 and (bias is None or bias.dtype == np.float16)
+    if FLOAT16_PRODUCTS_IN_TORCH and both_float16 and weight.ndim == 2:
         product = _float16_product(x, weight, bias)
         if np.isfinite(product).all():
             return product
