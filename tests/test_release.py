@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from adapterpack.inputs.checked import check_inputs
 from factories import make_adapter, make_base, tree_digest
 
 CLI = [sys.executable, "-m", "adapterpack"]
@@ -183,6 +184,35 @@ def test_short_disk_space_is_exit_4(project, tmp_path, monkeypatch):
     assert result.exit_code == 4, result.output
     assert "MiB free" in result.output
     assert not (tmp_path / "d" / "SHA256SUMS").exists()
+
+
+def test_a_build_that_cannot_fit_the_disk_is_refused_before_any_work(project, tmp_path, monkeypatch):
+    """The estimate of what a clean build writes (assemble.disk) against the free space of each
+    filesystem it writes to: too little is exit 4 naming the folder and the figures, before any
+    work, the previous package untouched; validate states the estimate."""
+    from typer.testing import CliRunner
+
+    import adapterpack.assemble.disk as disk
+    from adapterpack.cli.app import app
+
+    output = tmp_path / "pkg.mlpackage"
+    first = run("build", project / "rel.yaml", "-o", output, "--no-verify", "--quiet")
+    assert first.returncode == 0, first.stderr
+    before = sorted(p.name for p in output.rglob("*"))
+    checked = check_inputs(project / "rel.yaml")
+    needs = disk.disk_needs(checked, None)
+    assert needs.cache > disk.float16_model_bytes(checked) > 0 and needs.output > 0
+
+    free = {"bytes": needs.output // 2}
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: type("usage", (), {"free": free["bytes"]})())
+    refused = CliRunner().invoke(app, ["build", str(project / "rel.yaml"), "-o", str(output), "--force", "--no-cache"])
+    assert refused.exit_code == 4, refused.output
+    assert "GiB free, this build needs about" in refused.output and str(tmp_path) in refused.output
+    assert sorted(p.name for p in output.rglob("*")) == before
+    assert not list(tmp_path.glob("*staging*"))
+    free["bytes"] = needs.output + needs.cache + 1  # enough: it builds
+    assert CliRunner().invoke(app, ["build", str(project / "rel.yaml"), "-o", str(output), "--force", "--no-cache", "--no-verify"]).exit_code == 0
+    assert "disk: a clean build writes about" in run("validate", project / "rel.yaml").stdout
 
 
 def test_strict_turns_base_name_mismatch_into_an_error(project, tmp_path):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapterpack.assemble.cache import BuildCache
+from adapterpack.assemble.disk import check_build_disk
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.manifest import Manifest
 from adapterpack.errors import BadInput, OutputExists
@@ -62,6 +63,7 @@ def plan_build(
     destination = checked.manifest.output_path(output)
     check_destination(destination, checked, force=options.force)
     cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
+    check_build_disk(checked, cache_dir if options.use_cache else None, destination)
     return Plan(checked, package_format, destination, BuildCache(cache_dir) if options.use_cache else None)
 
 

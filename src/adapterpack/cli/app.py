@@ -17,6 +17,7 @@ import typer
 from rich.table import Table
 
 from adapterpack.assemble.builder import check_value_ranges
+from adapterpack.assemble.disk import disk_needs
 from adapterpack.assemble.pipeline import build as run_build
 from adapterpack.assemble.pipeline import build_function_part, merge_from_parts
 from adapterpack.assemble.records import BuildOptions
@@ -42,7 +43,7 @@ from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from adapterpack.release.artifacts import release as run_release
 from adapterpack.report.asset import inspect_either
-from adapterpack.report.memory import budget_rows, inspection_json, memory_estimate
+from adapterpack.report.memory import budget_rows, human_size, inspection_json, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
 from adapterpack.verify.package import verify_package
 
@@ -403,6 +404,12 @@ def validate(
             f"{manifest}: ok: {len(m.function_names)} function(s) "
             f"({', '.join(m.function_names)}; default {m.default}), base {m.base.path} "
             f"({checked.base.config.get('model_type')}), max_context {m.export.max_context}",
+            highlight=False,
+        )
+        needs = disk_needs(checked, None)
+        out.print(
+            f"disk: a clean build writes about {human_size(needs.cache)} to its build cache and "
+            f"{human_size(needs.output)} beside the output (the package and its staging)",
             highlight=False,
         )
 

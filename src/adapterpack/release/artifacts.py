@@ -17,6 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapterpack.assemble.disk import float16_model_bytes
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.plan import chosen_format
 from adapterpack.assemble.records import BuildOptions, BuildResult, Reporter
@@ -71,9 +72,7 @@ def deterministic_zip(folder: Path, destination: Path) -> None:
 def required_disk_bytes(checked) -> int:
     """A conservative estimate of the disk a release needs: float16 parts for every function,
     the merged package, its staging copy and the zip (each about one float16 model or less)."""
-    weights = sum(path.stat().st_size for path in checked.base.weight_files)
-    bytes_per_param = 4 if any(t.dtype == "F32" for t in checked.base.tensors.values()) else 2
-    float16_model = weights * 2 // bytes_per_param
+    float16_model = float16_model_bytes(checked)
     functions = len(checked.manifest.function_names)
     return float16_model * (functions + 3)
 
