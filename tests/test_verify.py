@@ -258,3 +258,30 @@ def test_reference_computed_layer_by_layer_equals_the_float32_model(family_build
                 assert np.abs(logits - base_logits).max() > 1e-3, f"{name}: the adapter moved nothing"
     for parameter in full.parameters():
         assert parameter.dtype == torch.float32
+
+
+def test_a_function_s_executor_is_gone_before_the_next_one_loads(demo, monkeypatch):
+    """Verify holds one function's weights at a time: when the next function's program loads,
+    nothing refers to the previous function's executor any more (at 3B each holds 6 GB)."""
+    import gc
+    import weakref
+
+    from adapterpack.verify import runners
+    from adapterpack.verify.executor import ProgramExecutor
+
+    made: list[weakref.ref] = []
+    alive_at_load: list[int] = []
+    original = ProgramExecutor.load.__func__
+
+    def load(cls, *args, **kwargs):
+        gc.collect()
+        alive_at_load.append(sum(ref() is not None for ref in made))
+        executor = original(cls, *args, **kwargs)
+        made.append(weakref.ref(executor))
+        return executor
+
+    monkeypatch.setattr(ProgramExecutor, "load", classmethod(load))
+    sessions = runners.function_sessions(demo.output)
+    for function in ("code", "docs", "zen"):
+        sessions(function)()(np.array([[256, 100]], np.int32), np.zeros((1, 1, 1, 3), np.float16))
+    assert alive_at_load == [0, 0, 0]

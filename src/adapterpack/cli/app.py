@@ -43,7 +43,7 @@ from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.checked import check_inputs, check_state_sizes
 from adapterpack.release.artifacts import release as run_release
 from adapterpack.report.asset import inspect_either
-from adapterpack.report.memory import budget_rows, human_size, inspection_json, memory_estimate
+from adapterpack.report.memory import budget_rows, inspection_json, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
 from adapterpack.verify.package import verify_package
 

@@ -4,6 +4,7 @@ every drive, each with a fresh state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import weakref
@@ -101,9 +102,13 @@ def _executor_sessions(package: Path) -> Sessions:
 
     def open_function(function: str) -> Callable[[], Predict]:
         if function not in loaded:
-            for executor in loaded.values():
-                troubles.update((name, found.describe()) for name, found in executor.nonfinite.items())
+            for previous in loaded.values():
+                troubles.update((name, found.describe()) for name, found in previous.nonfinite.items())
+            # Nothing may still name the previous function's executor while the next one loads:
+            # its dense weights (6 GB at 3B) would be held beside the new ones.
+            previous = None
             loaded.clear()
+            _release_freed_memory()
             try:
                 loaded[function] = ProgramExecutor.load(package, functions=[function])
             except UnsupportedOp as error:
@@ -123,6 +128,19 @@ def _executor_sessions(package: Path) -> Sessions:
         return troubles.get(function)
 
     return Sessions(open_function, trouble)
+
+
+def _release_freed_memory() -> None:
+    """Collect, then hand the C heap's free pages back to the system (glibc keeps freed arrays
+    under its growing mmap threshold, up to 32 MB each: most of a model's weights)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def _coreml_sessions(package: Path) -> Callable[[str], Callable[[], Predict]]:
