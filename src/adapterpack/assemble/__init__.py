@@ -2,4 +2,4 @@
 Core ML writer's parts (``builder``, ``parts``), the Core AI writer (``aimodel``), the build
 cache, and staging of outputs."""
 
-__all__ = ["aimodel", "auto", "builder", "cache", "calibration", "parts", "pipeline", "plan", "records", "staging"]
+__all__ = ["aimodel", "auto", "builder", "cache", "calibration", "disk", "parts", "pipeline", "plan", "records", "staging"]
