@@ -7,7 +7,7 @@ the asset's drives one after another (how verify ran them before), the asset's d
 time for the one function (its PyTorch reference included), with the manifest's verify settings
 (prefill 16, then 16 decode steps, each drive).
 
-    .venv/bin/python benchmarks/coreai_verify.py                    # about 15 minutes here
+    .venv/bin/python benchmarks/coreai_verify.py                    # about 11 minutes here
 
 Where the runtime's time goes (``perf record`` on a verify, README "Core AI"): off Apple devices
 Core AI computes float16 arithmetic in software, a call to a half-precision conversion routine
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -94,7 +95,7 @@ def main() -> None:
         print(f"{name:40} {seconds:8.1f} {seconds / executor:10.1f} {seconds / before:9.2f}  {figures}")
     if args.json:
         payload = {name: {"seconds": seconds, **figures} for name, (seconds, figures) in rows.items()}
-        payload["machine"] = {"cpus": __import__("os").cpu_count(), "platform": platform.platform()}
+        payload["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform()}
         args.json.write_text(json.dumps(payload, indent=2))
 
 

@@ -200,7 +200,7 @@ def test_a_build_that_cannot_fit_the_disk_is_refused_before_any_work(project, tm
     assert first.returncode == 0, first.stderr
     before = sorted(p.name for p in output.rglob("*"))
     checked = check_inputs(project / "rel.yaml")
-    needs = disk.disk_needs(checked, None)
+    needs = disk.disk_needs(checked)
     assert needs.cache > disk.float16_model_bytes(checked) > 0 and needs.output > 0
 
     free = {"bytes": needs.output // 2}
@@ -213,6 +213,18 @@ def test_a_build_that_cannot_fit_the_disk_is_refused_before_any_work(project, tm
     free["bytes"] = needs.output + needs.cache + 1  # enough: it builds
     assert CliRunner().invoke(app, ["build", str(project / "rel.yaml"), "-o", str(output), "--force", "--no-cache", "--no-verify"]).exit_code == 0
     assert "disk: a clean build writes about" in run("validate", project / "rel.yaml").stdout
+    # A rebuild writes less: what its cache holds already is counted once a clean build would not fit.
+    cache = tmp_path / "cache"
+    free["bytes"] = needs.output + needs.cache + 1
+    build_args = ["build", str(project / "rel.yaml"), "-o", str(output), "--force", "--no-verify", "--cache-dir", str(cache)]
+    assert CliRunner().invoke(app, build_args).exit_code == 0
+    cached = disk._folder_bytes(cache)
+    assert 0 < cached
+    free["bytes"] = needs.output + max(0, needs.cache - cached) + 1
+    assert free["bytes"] < needs.output + needs.cache
+    assert CliRunner().invoke(app, build_args).exit_code == 0
+    free["bytes"] -= 2
+    assert CliRunner().invoke(app, build_args).exit_code == 4
 
 
 def test_strict_turns_base_name_mismatch_into_an_error(project, tmp_path):

@@ -32,21 +32,6 @@ class DiskNeeds:
 
     cache: int
     output: int
-    cached: int  # already in the build cache (a rebuild writes that much less)
-
-    def on(self, cache_dir: Path | None, destination: Path) -> dict[int, tuple[Path, int]]:
-        """{filesystem: (a folder on it, bytes to be written there)}."""
-        found: dict[int, tuple[Path, int]] = {}
-        places = [(destination.parent, self.output)]
-        if cache_dir is not None:
-            places.append((cache_dir, max(0, self.cache - self.cached)))
-        else:  # without a cache, the build's intermediates live in its staging folder
-            places[0] = (destination.parent, self.output + self.cache)
-        for folder, amount in places:
-            probe = _existing(folder)
-            device = os.stat(probe).st_dev
-            found[device] = (found.get(device, (probe, 0))[0], found.get(device, (probe, 0))[1] + amount)
-        return found
 
 
 def float16_model_bytes(checked) -> int:
@@ -68,7 +53,7 @@ def stored_share(compression: Compression) -> float:
     return min(1.0, (compression.nbits or 8) / 16 + 1 / 32)
 
 
-def disk_needs(checked, cache_dir: Path | None) -> DiskNeeds:
+def disk_needs(checked) -> DiskNeeds:
     manifest = checked.manifest
     model = float16_model_bytes(checked)
     compressions = [manifest.compression_for(name) for name in manifest.function_names]
@@ -78,23 +63,44 @@ def disk_needs(checked, cache_dir: Path | None) -> DiskNeeds:
     palettes = PALETTE_SHARE * model if any(c.method == "palettize" for c in compressions) else 0.0
     cache = model + compressed + functions * compressed + palettes
     output = compressed * (1 + PACKAGE_GROWTH_PER_FUNCTION * functions)
-    cached = _folder_bytes(cache_dir) if cache_dir is not None else 0
-    return DiskNeeds(cache=int(cache), output=int(output), cached=cached)
+    return DiskNeeds(cache=int(cache), output=int(output))
 
 
-def check_build_disk(checked, cache_dir: Path | None, destination: Path) -> DiskNeeds:
+def check_build_disk(checked, cache_dir: Path | None, destination: Path) -> None:
     """Refuse (OutOfResources, exit 4) a build whose estimate does not fit the free space of a
-    filesystem it writes to; the estimate, when it fits."""
-    needs = disk_needs(checked, cache_dir)
-    for probe, amount in needs.on(cache_dir, destination).values():
+    filesystem it writes to. What the build cache already holds is written no more (a rebuild);
+    it is counted, a walk of the cache, only when the clean build's estimate does not fit."""
+    needs = disk_needs(checked)
+    cached = 0
+    short = _short_of_space(needs, cache_dir, destination, cached)
+    if short is not None and cache_dir is not None:
+        cached = _folder_bytes(cache_dir)
+        short = _short_of_space(needs, cache_dir, destination, cached)
+    if short is not None:
+        probe, free, amount = short
+        raise OutOfResources(
+            f"{probe}: {free / 2**30:.1f} GiB free, this build needs about {amount / 2**30:.1f} GiB there "
+            f"(build cache {needs.cache / 2**30:.1f} GiB, {cached / 2**30:.1f} GiB of it already cached; "
+            f"package {needs.output / 2**30:.1f} GiB): free some space, or point --cache-dir at another disk"
+        )
+
+
+def _short_of_space(needs: DiskNeeds, cache_dir: Path | None, destination: Path, cached: int) -> tuple[Path, int, int] | None:
+    """(a folder, its filesystem's free bytes, the bytes the build writes there) for the first
+    filesystem that cannot hold them; None when every one can."""
+    if cache_dir is None:  # without a cache, the build's intermediates live in its staging folder
+        writes = [(destination.parent, needs.output + needs.cache)]
+    else:
+        writes = [(destination.parent, needs.output), (cache_dir, max(0, needs.cache - cached))]
+    by_filesystem: dict[int, list] = {}
+    for folder, amount in writes:
+        probe = _existing(folder)
+        by_filesystem.setdefault(os.stat(probe).st_dev, [probe, 0])[1] += amount
+    for probe, amount in by_filesystem.values():
         free = shutil.disk_usage(probe).free
         if free < amount:
-            raise OutOfResources(
-                f"{probe}: {free / 2**30:.1f} GiB free, this build needs about {amount / 2**30:.1f} GiB there "
-                f"(build cache {needs.cache / 2**30:.1f} GiB, {needs.cached / 2**30:.1f} GiB of it already cached; "
-                f"package {needs.output / 2**30:.1f} GiB): free some space, or point --cache-dir at another disk"
-            )
-    return needs
+            return probe, free, amount
+    return None
 
 
 def _existing(folder: Path) -> Path:

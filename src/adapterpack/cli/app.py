@@ -406,7 +406,7 @@ def validate(
             f"({checked.base.config.get('model_type')}), max_context {m.export.max_context}",
             highlight=False,
         )
-        needs = disk_needs(checked, None)
+        needs = disk_needs(checked)
         out.print(
             f"disk: a clean build writes about {human_size(needs.cache)} to its build cache and "
             f"{human_size(needs.output)} beside the output (the package and its staging)",

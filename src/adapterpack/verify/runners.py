@@ -102,11 +102,9 @@ def _executor_sessions(package: Path) -> Sessions:
 
     def open_function(function: str) -> Callable[[], Predict]:
         if function not in loaded:
-            for previous in loaded.values():
-                troubles.update((name, found.describe()) for name, found in previous.nonfinite.items())
-            # Nothing may still name the previous function's executor while the next one loads:
-            # its dense weights (6 GB at 3B) would be held beside the new ones.
-            previous = None
+            # No name may outlive this (a loop variable would): the previous function's executor
+            # must be gone while the next one loads, or two functions' dense weights meet (12 GB at 3B).
+            troubles.update((name, found.describe()) for held in loaded.values() for name, found in held.nonfinite.items())
             loaded.clear()
             _release_freed_memory()
             try:

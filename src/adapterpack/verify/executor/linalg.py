@@ -26,7 +26,7 @@ from adapterpack.verify.executor.registry import (
 # widening a 3B model's 128256 x 3072 lm_head whole would hold 1.6 GB for one product.
 WIDEN_SLICE_VALUES = 1 << 24
 # float16 x float16 products in torch's kernel (see _times_weight); False widens them in numpy,
-# as the executor did before (benchmarks/verify_time.py compares the two).
+# as the executor did before (benchmarks/build_time.py --verify-previous compares the two).
 FLOAT16_PRODUCTS_IN_TORCH = True
 
 
