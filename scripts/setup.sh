@@ -2,7 +2,9 @@
 # Create .venv/ at the repo root and install adapterpack with its test dependencies and the
 # Core AI extra (the .aimodel format; its tests run in the default suite).
 # torch is installed first from its CPU wheel: a plain `torch` requirement with nothing installed
-# would pull a multi-GB CUDA build. Safe to re-run; it only installs what is missing.
+# would pull a multi-GB CUDA build. Everything else is installed within constraints.txt, the
+# versions the suite and the recorded package digests were made with. Safe to re-run; it only
+# installs what is missing or outside those versions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
@@ -14,5 +16,5 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==${ADAPTERPACK_TORCH:-2.13.0}"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test,coreai]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --constraint constraints.txt -e ".[test,coreai]"
 echo "adapterpack installed: .venv/bin/adapterpack" >&2

@@ -20,7 +20,8 @@ def record() -> dict:
     if found["versions"] != versions():
         pytest.fail(
             "the recorded digests were written by other library versions "
-            f"({found['versions']} against {versions()}): record them again with tests/package_digests.py --write"
+            f"({found['versions']} against {versions()}): install within constraints.txt (scripts/setup.sh), "
+            "or record them again with tests/package_digests.py --write"
         )
     return found
 
