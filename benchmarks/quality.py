@@ -15,7 +15,9 @@ Compressions ending in ``-data-aware`` are what a build with calibration text ma
 weighted by the activations of the manifest's calibration texts (``compress.importance``), their
 entries chosen with error compensation (``compress.compensation``); ``-weighted`` ones are the
 same palettes with each weight's nearest entry (weighting alone); ``auto`` is what ``compression: auto`` chooses per
-function (data-aware, its default targets or ``--auto-ratio``/``--auto-retention``). With
+function (data-aware, its default targets or ``--auto-ratio``/``--auto-retention``).
+``palettize-4-channel-scale`` and ``palettize-4-outliers`` are forms a build does not write,
+emulated to compare them with what it does (``EMULATED``). With
 ``--heldout DIR``, each function is measured on ``DIR/<function>.txt`` (text the calibration
 never saw), else every function on ``--text``.
 
@@ -40,6 +42,7 @@ COMPRESSIONS = {
     "float16": {"method": "none"},
     "palettize-4-data-aware": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
     "palettize-4-group4-data-aware": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 4},
+    "palettize-4-group1-data-aware": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 1},
     "palettize-4-weighted": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
     "auto": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16, "auto": {}},
     "palettize-8": {"method": "palettize", "nbits": 8, "granularity": "per_grouped_channel", "group_size": 16},
@@ -48,7 +51,19 @@ COMPRESSIONS = {
     "palettize-4-group1": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 1},
     "linear-8": {"method": "linear", "nbits": 8, "granularity": "per_channel"},
     "linear-4-block32": {"method": "linear", "nbits": 4, "granularity": "per_block", "block_size": 32},
+    "palettize-4-group2": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 2},
+    "palettize-4-group4": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 4},
+    "palettize-4-channel-scale": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
+    "palettize-4-outliers": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
 }
+# Data-free forms compared for the default that builds do not write, emulated here on the
+# palettes of groups of 16: coremltools' per-channel scale before clustering
+# (``enable_per_channel_scale``: each output channel divided by its largest magnitude, a float16
+# scale per channel stored beside the palettes), and the largest weights kept exact beside them
+# (a sparse overlay: iOS 18's sparse constant, a one-bit mask per weight plus the kept float16
+# values), OUTLIER_SHARE of each weight's values.
+EMULATED = ("palettize-4-channel-scale", "palettize-4-outliers")
+OUTLIER_SHARE = 0.001
 
 
 def fused(base, checked, function: str):
@@ -64,14 +79,10 @@ def fused(base, checked, function: str):
     return applied_adapter(base, checked.adapters[function].folder, mode="fuse", scale=float(adapter.scale))
 
 
-def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
-    """Module name -> dense float32 weight as the package stores it (compressed ones only), and
-    the bytes all the function's linear and embedding weights take."""
-    import torch
+def weight_bytes(model, compression) -> int:
+    """The bytes all the function's linear and embedding weights take in the package."""
     from torch import nn
 
-    from adapterpack.compress.coreai_weights import CoreAIWeights
-    from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.compression import compressed_bytes, weight_setting
 
     total = 0
@@ -79,11 +90,57 @@ def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
         if type(module) in (nn.Linear, nn.Embedding) and not (name == "lm_head" and model.config.tie_word_embeddings):
             shape = tuple(module.weight.shape)
             total += compressed_bytes(shape, weight_setting(name, shape, compression))
+    return total
+
+
+def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
+    """Module name -> dense float32 weight as the package stores it (compressed ones only), and
+    ``weight_bytes``."""
+    import torch
+
+    from adapterpack.compress.coreai_weights import CoreAIWeights
+    from adapterpack.compress.palettes import PaletteStore
+
+    total = weight_bytes(model, compression)
     if compression.method == "none":
         return {}, total
     with torch.no_grad():
         weights = CoreAIWeights(PaletteStore(importance=importance))
         dense = {name: module.weight_source().float() for name, module in weights.replacements(model, compression).items()}
+    return dense, total
+
+
+def emulated_weights(model, compression, label: str) -> tuple[dict, int]:
+    """``compressed_weights`` of an ``EMULATED`` form: data-free palettes in groups of 16 of each
+    weight the build compresses, with per-channel scales or outliers kept exact."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from adapterpack.compress.palettes import PaletteStore, grouped_rows
+    from adapterpack.config.compression import weight_setting
+
+    dense, total = {}, weight_bytes(model, compression)
+    store = PaletteStore()
+    for name, module in model.named_modules():
+        setting = weight_setting(name, tuple(module.weight.shape), compression) if type(module) in (nn.Linear, nn.Embedding) else None
+        if setting is None:
+            continue
+        weight = module.weight.detach().float()
+        scale = torch.ones(weight.shape[0], 1)
+        if label == "palettize-4-channel-scale":
+            scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-8).half().float()
+            total += 2 * weight.shape[0]
+        value = (weight / scale).half().numpy()
+        luts, indices = store.tensor_palettes([grouped_rows(value, setting)], setting.nbits)[0]
+        luts = luts.astype(np.float16).astype(np.float32)
+        rebuilt = torch.from_numpy(np.take_along_axis(luts, indices.astype(np.int64), 1).reshape(weight.shape)) * scale
+        if label == "palettize-4-outliers":
+            kept = max(1, int(OUTLIER_SHARE * weight.numel()))
+            where = torch.topk(weight.abs().flatten(), kept).indices
+            rebuilt.view(-1)[where] = weight.view(-1)[where].half().float()
+            total += weight.numel() // 8 + 2 * kept
+        dense[name] = rebuilt
     return dense, total
 
 
@@ -121,13 +178,13 @@ def figures(got, reference, base, targets) -> dict[str, float]:
     return found
 
 
-def compared(model, compression, ids: list[int], window: int, reference, base_logits, targets, importance=None) -> dict:
+def compared(model, compression, label: str, ids: list[int], window: int, reference, base_logits, targets, importance=None) -> dict:
     """``model`` with its weights compressed by ``compression``, against ``reference``; the
     model's weights are restored after."""
     import torch
 
     began = time.perf_counter()
-    dense, size = compressed_weights(model, compression, importance)
+    dense, size = emulated_weights(model, compression, label) if label in EMULATED else compressed_weights(model, compression, importance)
     originals = {name: p.detach().clone() for name, p in model.named_parameters()}
     try:
         with torch.no_grad():
@@ -201,7 +258,7 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
                 if label.endswith("weighted"):
                     # the same statistics, no Gram matrices: nearest entries
                     weighted = ChannelImportance(importance.energies)
-                rows[label] = compared(model, compression, ids, window, reference, base_logits if adapter else None, targets, weighted)
+                rows[label] = compared(model, compression, label, ids, window, reference, base_logits if adapter else None, targets, weighted)
                 rows[label]["compression"] = compression.describe()
                 print(f"{function} {label}: {rows[label]}", file=sys.stderr, flush=True)
         results["functions"][function] = rows

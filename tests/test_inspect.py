@@ -77,7 +77,7 @@ def kept(project) -> Path:
 
 @pytest.fixture(scope="module")
 def palettized(project) -> Path:
-    return _build(project, "palettized", lora="fuse", compression="{method: palettize, nbits: 4}", adapters=("chat",), base="plain")
+    return _build(project, "palettized", lora="fuse", compression="{method: palettize, nbits: 4, group_size: 16}", adapters=("chat",), base="plain")
 
 
 def _disk_bytes(folder: Path) -> int:

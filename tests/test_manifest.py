@@ -52,10 +52,28 @@ def test_valid_manifest_resolves_defaults(folder):
     assert manifest.compression.nbits == 4 and manifest.compression.group_size == 16
     assert manifest.compression_for("code").nbits == 6
     assert manifest.compression_for("code").granularity == "per_grouped_channel"
-    assert manifest.compression_for("plain") == manifest.compression
+    # no calibration text: one palette per output channel at 4 bits (Compression.data_free)
+    assert manifest.compression_for("plain") == manifest.compression.model_copy(update={"group_size": 1})
+    assert manifest.compression_for("code").group_size == 16
     assert manifest.adapter_path(manifest.adapters[0]) == (folder / "a1").resolve()
     assert manifest.output_path() == (folder / "build" / "demo.mlpackage").resolve()
     assert manifest.output_path("x.mlpackage").name == "x.mlpackage"
+
+
+def test_unset_group_size_is_one_channel_at_low_bits_without_calibration_text(folder):
+    text = GOOD.replace("compression: {nbits: 6}", "compression: {nbits: 6, layers: {o_proj: {nbits: 2}, q_proj: {nbits: 8}}}")
+    data_free = load_manifest(write(folder, text))
+    (folder / "base.txt").write_text("what the base is used for\n")
+    with_text = load_manifest(write(folder, text.replace("  path: base\n", "  path: base\n  calibration: base.txt\n", 1)))
+    assert [data_free.compression_for(name).group_size for name in ("chat", "code", "plain")] == [1, 16, 1]
+    assert {p: e.group_size for p, e in data_free.compression_for("code").layers} == {"o_proj": 1, "q_proj": 16}
+    # with calibration text the palettes are weighted by activations: groups of 16 keep the checkpoint
+    assert [with_text.compression_for(name).group_size for name in ("chat", "code", "plain")] == [16, 16, 16]
+    assert {p: e.group_size for p, e in with_text.compression_for("code").layers} == {"o_proj": 16, "q_proj": 16}
+    # a group size the manifest names is kept
+    named = load_manifest(write(folder, GOOD.replace("  method: palettize\n", "  method: palettize\n  group_size: 8\n")))
+    assert named.compression_for("chat").group_size == 8
+    assert named.compression_for("chat").describe() == "palettize 4-bit per_grouped_channel/8"
 
 
 def test_default_function_defaults_to_first(folder):
