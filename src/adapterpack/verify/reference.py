@@ -22,6 +22,12 @@ log = logging.getLogger(__name__)
 
 # safetensors dtype -> the torch dtype the base is loaded in (anything else: float32)
 STORED_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+# A weight larger than this in float32 is never widened whole (a large vocabulary's embedding
+# and output head: 1.5 GB each at Llama 3.2 3B's shape, which would take verify past 8 GB): an
+# embedding looks up its float16 rows and widens those, a linear layer widens WIDE_ROWS_BYTES of
+# output rows at a time.
+WIDEN_WHOLE_BYTES = 256 << 20
+WIDE_ROWS_BYTES = 64 << 20
 
 
 def stored_dtype(base_info) -> str:
@@ -33,7 +39,8 @@ def stored_dtype(base_info) -> str:
 @contextlib.contextmanager
 def computed_in_float32(model) -> Iterator[None]:
     """Every module that owns parameters runs its forward with them in float32, widened on
-    entry and restored on exit (also when the forward fails)."""
+    entry and restored on exit (also when the forward fails); a weight above
+    ``WIDEN_WHOLE_BYTES`` a part at a time (``_in_parts``)."""
     import torch
 
     stashed: dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -50,19 +57,63 @@ def computed_in_float32(model) -> Iterator[None]:
             if original is not None:
                 parameter.data = original
 
-    handles = []
+    handles, in_parts = [], []
     for module in model.modules():
-        if any(True for _ in module.parameters(recurse=False)):
+        if _in_parts(module):
+            in_parts.append(module)
+        elif any(True for _ in module.parameters(recurse=False)):
             handles.append(module.register_forward_pre_hook(widen))
             handles.append(module.register_forward_hook(restore))
+    for module in in_parts:
+        module.forward = _widened_in_parts(module)
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        for module in in_parts:
+            del module.forward  # the class's own again
         for parameter, original in stashed.items():
             parameter.data = original
         stashed.clear()
+
+
+def _in_parts(module) -> bool:
+    """A plain linear layer or embedding whose float16 or bfloat16 weight is too large to widen whole."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    return (
+        type(module) in (torch.nn.Linear, torch.nn.Embedding)
+        and weight is not None
+        and weight.dtype != torch.float32
+        and 4 * weight.numel() > WIDEN_WHOLE_BYTES
+    )
+
+
+def _widened_in_parts(module):
+    """``module``'s forward in float32 without its whole weight widened: an embedding's looked-up
+    rows are widened (a lookup then a widening is the lookup of the widened table); a linear
+    layer's output is computed ``WIDE_ROWS_BYTES`` of weight rows at a time, each element a
+    float32 dot product (the kernel may block it otherwise than one product of the whole
+    weight: differences in the last bits)."""
+    import torch
+    import torch.nn.functional as F
+
+    if isinstance(module, torch.nn.Embedding):
+        original = module.forward
+        return lambda ids: original(ids).float()
+
+    def forward(x):
+        weight, bias = module.weight, module.bias
+        rows = max(1, WIDE_ROWS_BYTES // (4 * weight.shape[1]))
+        parts = [
+            F.linear(x, weight[first : first + rows].float(), None if bias is None else bias[first : first + rows].float())
+            for first in range(0, weight.shape[0], rows)
+        ]
+        return torch.cat(parts, dim=-1)
+
+    return forward
 
 
 def reference_logits(checked, names: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:

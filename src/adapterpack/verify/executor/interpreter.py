@@ -232,8 +232,12 @@ def _const_value(var: Any) -> Any:
 
 
 def _release_const(op: Any) -> None:
-    """Drop the value a loaded ``const`` op holds (its output's and its ``val`` input's)."""
-    for var in (op.outputs[0], op.inputs.get("val")):
+    """Drop the value a loaded ``const`` op holds: its output's, and its ``val`` parameter's. The
+    parameter is an internal var, which ``op.inputs`` leaves out (coremltools lists it only in
+    the op's ``_input_vars``); missed, it kept a 3B model's 3 GB of indices beside the dense
+    weights they were folded into."""
+    internal = getattr(op, "_input_vars", None) or {}
+    for var in (op.outputs[0], internal.get("val")):
         if var is not None and hasattr(var, "_sym_val"):
             var._sym_val = None
 
