@@ -55,6 +55,7 @@ COMPRESSIONS = {
     "palettize-4-group4": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 4},
     "palettize-4-channel-scale": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
     "palettize-4-outliers": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
+    "linear-4-block32-data-aware": {"method": "linear", "nbits": 4, "granularity": "per_block", "block_size": 32},
 }
 # Data-free forms compared for the default that builds do not write, emulated here on the
 # palettes of groups of 16: coremltools' per-channel scale before clustering
@@ -62,7 +63,9 @@ COMPRESSIONS = {
 # scale per channel stored beside the palettes), and the largest weights kept exact beside them
 # (a sparse overlay: iOS 18's sparse constant, a one-bit mask per weight plus the kept float16
 # values), OUTLIER_SHARE of each weight's values.
-EMULATED = ("palettize-4-channel-scale", "palettize-4-outliers")
+# ``linear-4-block32-data-aware`` is int4 per block of 32 at the scales builds write, each
+# weight's integer chosen with error compensation (GPTQ's own use of it), not its nearest.
+EMULATED = ("palettize-4-channel-scale", "palettize-4-outliers", "linear-4-block32-data-aware")
 OUTLIER_SHARE = 0.001
 
 
@@ -110,9 +113,10 @@ def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
     return dense, total
 
 
-def emulated_weights(model, compression, label: str) -> tuple[dict, int]:
+def emulated_weights(model, compression, label: str, importance=None) -> tuple[dict, int]:
     """``compressed_weights`` of an ``EMULATED`` form: data-free palettes in groups of 16 of each
-    weight the build compresses, with per-channel scales or outliers kept exact."""
+    weight the build compresses, with per-channel scales or outliers kept exact; or int4 with
+    error compensation by ``importance``'s Gram matrices."""
     import numpy as np
     import torch
     from torch import nn
@@ -127,6 +131,9 @@ def emulated_weights(model, compression, label: str) -> tuple[dict, int]:
         if setting is None:
             continue
         weight = module.weight.detach().float()
+        if setting.method == "linear":
+            dense[name] = compensated_int(weight.half().float(), setting, importance.gram(name))
+            continue
         scale = torch.ones(weight.shape[0], 1)
         if label == "palettize-4-channel-scale":
             scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-8).half().float()
@@ -142,6 +149,26 @@ def emulated_weights(model, compression, label: str) -> tuple[dict, int]:
             total += weight.numel() // 8 + 2 * kept
         dense[name] = rebuilt
     return dense, total
+
+
+def compensated_int(weight, setting, gram):
+    """``weight`` quantized symmetrically as builds do (a float16 scale per block, integers
+    within +-(2^(n-1) - 1)), each integer chosen with error compensation by ``gram``."""
+    import numpy as np
+    import torch
+
+    from adapterpack.compress.compensation import compensated_indices
+
+    qmax = (1 << (setting.nbits - 1)) - 1
+    out_features, in_features = weight.shape
+    blocks = weight.numpy().reshape(out_features, in_features // setting.block_size, setting.block_size)
+    scale = np.abs(blocks).max(axis=-1) / qmax
+    scale[scale == 0] = 1.0
+    scale = scale.astype(np.float16).astype(np.float64)
+    luts = scale[..., None] * np.arange(-qmax, qmax + 1)
+    chosen = compensated_indices(weight.numpy(), luts, 1, gram, block_columns=setting.block_size)
+    block_of = np.arange(in_features) // setting.block_size
+    return torch.from_numpy(luts[np.arange(out_features)[:, None], block_of[None, :], chosen.astype(np.int64)].astype(np.float32))
 
 
 def scored_logits(model, ids: list[int], window: int):
@@ -184,7 +211,10 @@ def compared(model, compression, label: str, ids: list[int], window: int, refere
     import torch
 
     began = time.perf_counter()
-    dense, size = emulated_weights(model, compression, label) if label in EMULATED else compressed_weights(model, compression, importance)
+    if label in EMULATED:
+        dense, size = emulated_weights(model, compression, label, importance)
+    else:
+        dense, size = compressed_weights(model, compression, importance)
     originals = {name: p.detach().clone() for name, p in model.named_parameters()}
     try:
         with torch.no_grad():

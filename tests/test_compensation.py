@@ -43,6 +43,33 @@ def test_compensation_lowers_the_output_error_on_held_out_inputs(seed):
     assert after < 0.85 * before, (seed, after / before)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_int4_levels_per_block_of_columns_are_compensated_too(seed):
+    """A linear quantization's levels (a scale per output channel and block of 32 inputs, times
+    -7..7) as palettes per block of columns: the output error falls as with palettes, and one
+    block spanning every column is the per-row palette itself."""
+    weight, _, _, seen, held_out = _layer(seed)
+    gram = seen.T @ seen / len(seen)
+    blocks = weight.astype(np.float64).reshape(weight.shape[0], -1, 32)
+    scale = (np.abs(blocks).max(axis=-1) / 7).astype(np.float16).astype(np.float64)
+    levels = scale[..., None] * np.arange(-7, 8)  # (out, in / 32, 15)
+    block_of = np.arange(weight.shape[1]) // 32
+
+    def output_error(indices) -> float:
+        dense = levels[np.arange(weight.shape[0])[:, None], block_of[None, :], indices.astype(np.int64)]
+        return float((((weight.astype(np.float64) - dense) @ held_out.T) ** 2).mean())
+
+    nearest = np.abs(blocks[..., None] - levels[:, :, None, :]).argmin(axis=-1).reshape(weight.shape)
+    chosen = compensated_indices(weight, levels, 1, gram, block_columns=32)
+    assert chosen.shape == weight.shape and int(chosen.max()) < 15
+    assert output_error(chosen) < 0.85 * output_error(nearest), seed
+    whole = levels[:, :1, :]  # the first block's levels for every column
+    np.testing.assert_array_equal(
+        compensated_indices(weight, whole, 1, gram, block_columns=weight.shape[1]),
+        compensated_indices(weight, whole[:, 0, :], 1, gram),
+    )
+
+
 def test_uncorrelated_inputs_leave_every_weight_at_its_nearest_entry():
     """With a diagonal Gram no column's error can be paid back by another's: the nearest entries."""
     weight, luts, _, seen, _ = _layer(3)

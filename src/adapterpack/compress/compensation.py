@@ -31,14 +31,23 @@ DAMPING = 0.1
 BLOCK = 128
 
 
-def compensated_indices(weight: np.ndarray, luts: np.ndarray, group_rows: int, gram: np.ndarray) -> np.ndarray:
+def compensated_indices(
+    weight: np.ndarray, luts: np.ndarray, group_rows: int, gram: np.ndarray, *, block_columns: int | None = None
+) -> np.ndarray:
     """For ``weight`` (out, in), the palette entry of every weight (uint8, (out, in)), rounding
     column by column and spreading each column's error over the columns left, by ``gram``
     (in, in). ``luts`` (out / group_rows, entries): the palettes, one per block of
-    ``group_rows`` output channels, as stored (float16 values in float32 are exact)."""
+    ``group_rows`` output channels, as stored (float16 values in float32 are exact). With
+    ``block_columns``, ``luts`` is (out, in / block_columns, entries) instead: a palette per
+    output channel and block of input columns (a linear quantization's levels, its scale
+    times the integers)."""
     out_features, in_features = weight.shape
-    if gram.shape != (in_features, in_features) or luts.shape[0] * group_rows != out_features:
-        raise ValueError(f"weight {weight.shape}, {luts.shape[0]} palettes of {group_rows} rows and a Gram of {gram.shape} do not fit")
+    if block_columns is None:
+        fits = luts.ndim == 2 and luts.shape[0] * group_rows == out_features
+    else:
+        fits = luts.ndim == 3 and luts.shape[:2] == (out_features, in_features // block_columns) and in_features % block_columns == 0
+    if gram.shape != (in_features, in_features) or not fits:
+        raise ValueError(f"weight {weight.shape}, palettes {luts.shape} ({group_rows} rows, {block_columns} columns) and a Gram of {gram.shape} do not fit")
     # float64 throughout: the Gram of a trained checkpoint spans ten orders of magnitude (its
     # massive activations), and identical inputs must give identical indices on any machine.
     work = torch.from_numpy(np.asarray(weight, dtype=np.float64).copy())
@@ -50,7 +59,16 @@ def compensated_indices(weight: np.ndarray, luts: np.ndarray, group_rows: int, g
     work, hessian = work[:, order], hessian[order][:, order]
     hessian.diagonal().add_(DAMPING * float(hessian.diagonal().mean()))
     inverse = _upper_cholesky_of_inverse(hessian)
-    palette = torch.from_numpy(np.asarray(luts, dtype=np.float64)).repeat_interleave(group_rows, dim=0)
+    stored = torch.from_numpy(np.asarray(luts, dtype=np.float64))
+    if block_columns is None:
+        every = stored.repeat_interleave(group_rows, dim=0)
+
+        def palette_of(column: int) -> torch.Tensor:
+            return every
+    else:
+
+        def palette_of(column: int) -> torch.Tensor:
+            return stored[:, column // block_columns]
     chosen = torch.empty((out_features, in_features), dtype=torch.uint8)
     for first in range(0, in_features, BLOCK):
         last = min(first + BLOCK, in_features)
@@ -59,6 +77,7 @@ def compensated_indices(weight: np.ndarray, luts: np.ndarray, group_rows: int, g
         corner = inverse[first:last, first:last]
         for column in range(last - first):
             values = block[:, column]
+            palette = palette_of(int(order[first + column]))
             entry = (values[:, None] - palette).abs().argmin(dim=1)
             chosen[:, first + column] = entry.to(torch.uint8)
             error = (values - palette.gather(1, entry[:, None])[:, 0]) / corner[column, column]
@@ -70,8 +89,9 @@ def compensated_indices(weight: np.ndarray, luts: np.ndarray, group_rows: int, g
     result = indices.numpy()
     if dead.any():
         # a channel no text excites keeps its nearest entries (compensating it is meaningless)
-        nearest = np.abs(np.asarray(weight, dtype=np.float64)[:, dead.numpy(), None] - palette.numpy()[:, None, :]).argmin(axis=2)
-        result[:, dead.numpy()] = nearest.astype(np.uint8)
+        for column in np.flatnonzero(dead.numpy()):
+            nearest = np.abs(np.asarray(weight, dtype=np.float64)[:, column, None] - palette_of(int(column)).numpy()).argmin(axis=1)
+            result[:, column] = nearest.astype(np.uint8)
     return result
 
 
