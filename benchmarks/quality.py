@@ -158,13 +158,12 @@ def compensated_int(weight, setting, gram):
     import torch
 
     from adapterpack.compress.compensation import compensated_indices
+    from adapterpack.compress.coreai_weights import symmetric_scale
 
     qmax = (1 << (setting.nbits - 1)) - 1
     out_features, in_features = weight.shape
     blocks = weight.numpy().reshape(out_features, in_features // setting.block_size, setting.block_size)
-    scale = np.abs(blocks).max(axis=-1) / qmax
-    scale[scale == 0] = 1.0
-    scale = scale.astype(np.float16).astype(np.float64)
+    scale = symmetric_scale(blocks, setting.nbits).astype(np.float64)
     luts = scale[..., None] * np.arange(-qmax, qmax + 1)
     chosen = compensated_indices(weight.numpy(), luts, 1, gram, block_columns=setting.block_size)
     block_of = np.arange(in_features) // setting.block_size

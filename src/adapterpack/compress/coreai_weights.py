@@ -60,6 +60,14 @@ class _CompressedEmbedding(nn.Module):
         return F.embedding(ids, self.weight_source(), self.padding_idx)
 
 
+def symmetric_scale(blocks: np.ndarray, nbits: int) -> np.ndarray:
+    """The float16 scale (as float32) of each block of ``blocks`` (..., block values) under
+    linear symmetric quantization: its largest magnitude over 2^(nbits-1) - 1; 1 for an all-zero block."""
+    scale = np.abs(blocks).max(axis=-1) / ((1 << (nbits - 1)) - 1)
+    scale[scale == 0] = 1.0
+    return scale.astype(np.float16).astype(np.float32)
+
+
 def _symmetric_int(weight: np.ndarray, compression: Compression) -> nn.Module | None:
     """Linear symmetric quantization, coremltools' ``linear_symmetric``: q in [-(2^(n-1)-1), 2^(n-1)-1]."""
     if weight.ndim != 2:
@@ -76,9 +84,7 @@ def _symmetric_int(weight: np.ndarray, compression: Compression) -> nn.Module | 
         return None  # blocks must tile the input channels; left float16, as coremltools leaves it
     else:
         blocks = value.reshape(out_dim, in_dim // compression.block_size, compression.block_size)
-    scale = np.abs(blocks).max(axis=-1) / qmax
-    scale[scale == 0] = 1.0
-    scale = scale.astype(np.float16).astype(np.float32)
+    scale = symmetric_scale(blocks, compression.nbits)
     quantized = np.clip(np.rint(blocks / scale[..., None]), -qmax, qmax).astype(np.int8).reshape(value.shape)
     if compression.granularity == "per_tensor":
         scale = scale.reshape(1, 1)
