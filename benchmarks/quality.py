@@ -13,7 +13,8 @@ uncompressed).
 
 Compressions ending in ``-data-aware`` are what a build with calibration text makes: palettes
 weighted by the activations of the manifest's calibration texts (``compress.importance``), their
-entries chosen with error compensation (``compress.compensation``); ``-weighted`` ones are the
+entries chosen with error compensation (``compress.compensation``), and linear int4 integers
+chosen with it at coremltools' scales (``compress.quantize``); ``-weighted`` ones are the
 same palettes with each weight's nearest entry (weighting alone); ``auto`` is what ``compression: auto`` chooses per
 function (data-aware, its default targets or ``--auto-ratio``/``--auto-retention``).
 ``palettize-4-channel-scale`` and ``palettize-4-outliers`` are forms a build does not write,
@@ -63,9 +64,7 @@ COMPRESSIONS = {
 # scale per channel stored beside the palettes), and the largest weights kept exact beside them
 # (a sparse overlay: iOS 18's sparse constant, a one-bit mask per weight plus the kept float16
 # values), OUTLIER_SHARE of each weight's values.
-# ``linear-4-block32-data-aware`` is int4 per block of 32 at the scales builds write, each
-# weight's integer chosen with error compensation (GPTQ's own use of it), not its nearest.
-EMULATED = ("palettize-4-channel-scale", "palettize-4-outliers", "linear-4-block32-data-aware")
+EMULATED = ("palettize-4-channel-scale", "palettize-4-outliers")
 OUTLIER_SHARE = 0.001
 
 
@@ -113,10 +112,9 @@ def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
     return dense, total
 
 
-def emulated_weights(model, compression, label: str, importance=None) -> tuple[dict, int]:
+def emulated_weights(model, compression, label: str) -> tuple[dict, int]:
     """``compressed_weights`` of an ``EMULATED`` form: data-free palettes in groups of 16 of each
-    weight the build compresses, with per-channel scales or outliers kept exact; or int4 with
-    error compensation by ``importance``'s Gram matrices."""
+    weight the build compresses, with per-channel scales or outliers kept exact."""
     import numpy as np
     import torch
     from torch import nn
@@ -131,9 +129,6 @@ def emulated_weights(model, compression, label: str, importance=None) -> tuple[d
         if setting is None:
             continue
         weight = module.weight.detach().float()
-        if setting.method == "linear":
-            dense[name] = compensated_int(weight.half().float(), setting, importance.gram(name))
-            continue
         scale = torch.ones(weight.shape[0], 1)
         if label == "palettize-4-channel-scale":
             scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-8).half().float()
@@ -149,25 +144,6 @@ def emulated_weights(model, compression, label: str, importance=None) -> tuple[d
             total += weight.numel() // 8 + 2 * kept
         dense[name] = rebuilt
     return dense, total
-
-
-def compensated_int(weight, setting, gram):
-    """``weight`` quantized symmetrically as builds do (a float16 scale per block, integers
-    within +-(2^(n-1) - 1)), each integer chosen with error compensation by ``gram``."""
-    import numpy as np
-    import torch
-
-    from adapterpack.compress.compensation import compensated_indices
-    from adapterpack.compress.coreai_weights import symmetric_scale
-
-    qmax = (1 << (setting.nbits - 1)) - 1
-    out_features, in_features = weight.shape
-    blocks = weight.numpy().reshape(out_features, in_features // setting.block_size, setting.block_size)
-    scale = symmetric_scale(blocks, setting.nbits).astype(np.float64)
-    luts = scale[..., None] * np.arange(-qmax, qmax + 1)
-    chosen = compensated_indices(weight.numpy(), luts, 1, gram, block_columns=setting.block_size)
-    block_of = np.arange(in_features) // setting.block_size
-    return torch.from_numpy(luts[np.arange(out_features)[:, None], block_of[None, :], chosen.astype(np.int64)].astype(np.float32))
 
 
 def scored_logits(model, ids: list[int], window: int):
@@ -211,7 +187,7 @@ def compared(model, compression, label: str, ids: list[int], window: int, refere
 
     began = time.perf_counter()
     if label in EMULATED:
-        dense, size = emulated_weights(model, compression, label, importance)
+        dense, size = emulated_weights(model, compression, label)
     else:
         dense, size = compressed_weights(model, compression, importance)
     originals = {name: p.detach().clone() for name, p in model.named_parameters()}

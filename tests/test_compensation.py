@@ -143,3 +143,69 @@ def test_a_store_compensates_only_the_layers_within_the_gram_budget(tmp_path):
     reread = again.tensor_palettes(flats, 3, ["model.narrow", "model.wide"], [narrow.shape, wide.shape])
     np.testing.assert_array_equal(reread[0][1], idx_n)
     assert asked == [["model.narrow"]]
+
+
+def _dequantized(data, scale, shape):
+    return data.astype(np.float64) * np.repeat(scale.astype(np.float64).reshape(shape[0], -1), shape[1] // (scale.size // shape[0]), axis=1)
+
+
+@pytest.mark.parametrize("granularity", ["per_block", "per_channel"])
+def test_compensated_integers_keep_coremltools_scales_and_lower_the_output_error(granularity):
+    """``quantize.quantized`` without a Gram is coremltools' own quantization; with one, the
+    scales are the same, the integers stay within +-7, and the output error on held-out inputs
+    falls."""
+    from coremltools.optimize._utils import compute_qparams
+
+    from adapterpack.compress.quantize import block_sizes, quantized
+
+    weight, _, _, seen, held_out = _layer(4, in_features=128)
+    setting = Compression(method="linear", nbits=4, granularity=granularity)
+    data, scale = quantized(weight, setting)
+    expected = compute_qparams(weight, 4, True, "LINEAR_SYMMETRIC", None, block_sizes(weight.shape, setting))
+    np.testing.assert_array_equal(data, expected[0].astype(np.int8))
+    np.testing.assert_array_equal(scale, expected[1])
+    compensated, same_scale = quantized(weight, setting, gram=seen.T @ seen / len(seen))
+    np.testing.assert_array_equal(same_scale, scale)
+    assert compensated.dtype == np.int8 and int(np.abs(compensated).max()) <= 7
+    assert not np.array_equal(compensated, data)
+
+    def output_error(ints) -> float:
+        return float((((weight.astype(np.float64) - _dequantized(ints, scale, weight.shape)) @ held_out.T) ** 2).mean())
+
+    assert output_error(compensated) < 0.85 * output_error(data)
+
+
+def test_signed_integers_pack_as_coremltools_writes_them():
+    """int4 two per byte, low nibble first, two's complement (``mil.Program`` blobs)."""
+    from adapterpack.compress.quantize import pack_signed
+
+    values = np.array([-7, 7, -1, 0, 3, -8, 5], dtype=np.int8)
+    packed = pack_signed(values, 4)
+    assert packed.tolist() == [0x79, 0x0F, 0x83, 0x05]
+    np.testing.assert_array_equal(pack_signed(values, 8).view(np.int8), values)
+
+
+def test_compensated_integers_are_kept_in_the_store_files(tmp_path):
+    """The store's files hold compensated integers by content: read back, the Gram is not
+    measured again; a weight whose layer has no Gram is quantized as coremltools does."""
+    from adapterpack.assemble.cache import FolderPalettes
+    from adapterpack.compress.quantize import quantized, stored_quantized
+
+    weight, _, _, seen, _ = _layer(5, in_features=64)
+    asked = []
+
+    def measure(modules):
+        asked.append(list(modules))
+        return {"model.layer": seen.T @ seen / len(seen)}
+
+    energies = {"model.layer": (seen**2).mean(axis=0)}
+    setting = Compression(method="linear", nbits=4)
+    first = stored_quantized(weight, setting, "model.layer", PaletteStore(FolderPalettes(tmp_path), ChannelImportance(energies, measure)))
+    np.testing.assert_array_equal(first[0], quantized(weight, setting, gram=seen.T @ seen / len(seen))[0])
+    again = stored_quantized(weight, setting, "model.layer", PaletteStore(FolderPalettes(tmp_path), ChannelImportance(energies, measure)))
+    np.testing.assert_array_equal(again[0], first[0])
+    assert len(asked) == 1
+    plain = stored_quantized(weight, setting, "model.other", PaletteStore(FolderPalettes(tmp_path), ChannelImportance(energies, measure)))
+    np.testing.assert_array_equal(plain[0], quantized(weight, setting)[0])
+    eight = stored_quantized(weight, Compression(method="linear", nbits=8), "model.layer", PaletteStore(None, ChannelImportance(energies, measure)))
+    np.testing.assert_array_equal(eight[0], quantized(weight, Compression(method="linear", nbits=8))[0])

@@ -174,7 +174,7 @@ def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, mon
 
     compressed.clear()
     monkeypatch.setattr(
-        adapterpack.compress.model, "palettized_records", lambda values, *settings_and_palettes: iter([None] * len(values))
+        adapterpack.compress.model, "compressed_records", lambda values, *settings_and_palettes: iter([None] * len(values))
     )
     slow = build(project / "m.yaml", output=tmp_path / "slow" / "p.mlpackage", options=BuildOptions(verify=False))
     assert len(compressed) == 5  # ... and each fused function on its own

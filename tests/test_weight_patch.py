@@ -83,14 +83,16 @@ def test_shape_or_dtype_change_is_refused(template, tmp_path):
         dict(method="palettize", nbits=6, granularity="per_tensor"),
         # the changed weight is excluded from compression: found and patched as float16
         dict(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=16, keep_float16=["linear_1"]),
+        dict(method="linear", nbits=4, granularity="per_block", block_size=32),
+        dict(method="linear", nbits=8, granularity="per_channel"),
     ],
-    ids=["4bit-grouped", "6bit-tensor", "kept-float16"],
+    ids=["4bit-grouped", "6bit-tensor", "kept-float16", "int4-block", "int8-channel"],
 )
 def test_patching_a_compressed_base_equals_compressing_the_changed_model(template, tmp_path, settings):
-    """The fast path of a fused function: patch palettized records into the compressed base.
+    """The fast path of a fused function: patch compressed records into the compressed base.
     It must give byte for byte what compressing the model with the new weight gives."""
     from adapterpack.assemble.cache import FolderPalettes
-    from adapterpack.compress.model import palettized_records
+    from adapterpack.compress.model import compressed_records
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.manifest import Compression
 
@@ -100,7 +102,7 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     store = PaletteStore(FolderPalettes(tmp_path / "palettes"))
     base = two_layer_program(tmp_path / "base.mlpackage", w1, w2, compression, store)
     expected = two_layer_program(tmp_path / "expected.mlpackage", w1, new, compression, store)
-    before, after = palettized_records([w2, new], [compression, compression], store)
+    before, after = compressed_records([w2, new], [compression, compression], store)
     change = TensorChange.float16(w2, new)
     change.encodings.insert(0, [(d, b, a) for (d, b), (_, a) in zip(before, after)])
     assert patch_weights(base, tmp_path / "patched.mlpackage", [change])
@@ -109,14 +111,14 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     assert patched != (base / WEIGHTS).read_bytes()
 
 
-def test_palettized_records_decode_to_the_palettized_weight():
+def test_compressed_records_decode_to_the_palettized_weight():
     """The records are what constexpr_lut_to_dense reads: packed indices (LSB first) and a palette."""
-    from adapterpack.compress.model import palettized_records
+    from adapterpack.compress.model import compressed_records
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.manifest import Compression
 
     weight = np.random.default_rng(3).standard_normal((32, 48)).astype(np.float16)
-    [[(index_dtype, packed), (lut_dtype, lut)]] = palettized_records(
+    [[(index_dtype, packed), (lut_dtype, lut)]] = compressed_records(
         [weight], [Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=8)], PaletteStore()
     )
     assert (index_dtype, lut_dtype) == ("uint4", "float16")

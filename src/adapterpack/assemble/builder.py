@@ -22,6 +22,10 @@ from adapterpack.quiet import captured_output
 
 log = logging.getLogger(__name__)
 
+# Compressions a fused function is patched into the compressed base with (compress.model's
+# compressed_records); pruning's kept values depend on the whole tensor, so it converts whole.
+PATCHED_COMPRESSIONS = ("palettize", "linear")
+
 
 def build_parts(
     checked: CheckedInputs,
@@ -160,7 +164,7 @@ def template_key(checked: CheckedInputs, compression=None) -> str:
     }
     if compression is not None and compression.method != "none":
         record.update(compression=compression.model_dump(mode="json"), palettes=PALETTE_ALGORITHM)
-        if compression.method == "palettize" and calibration_key(checked) is not None:
+        if compression.uses_calibration() and calibration_key(checked) is not None:
             record.update(calibration=calibration_key(checked))
     return content_key(record)
 
@@ -259,18 +263,18 @@ class _PartBuilder:
     def _patched(self, changes: dict, compression, source: Path, target: Path, progress=None) -> bool:
         """``target`` = ``source`` with the fused weights in, in the form ``source`` stores them.
 
-        ``progress(done, total)``: values palettized so far (the old values' palettes usually
-        come from the palette cache, the new ones are clustered)."""
-        from adapterpack.compress.model import palettized_records
+        ``progress(done, total)``: values compressed so far (the old values' palettes and
+        compensated integers usually come from the cache, the new ones are computed)."""
+        from adapterpack.compress.model import compressed_records
         from adapterpack.config.compression import weight_setting
 
         pairs = [(old.numpy(), new.numpy()) for old, new in changes.values()]
-        palettized = compression is not None and compression.method == "palettize"
-        # old and new values of every changed tensor, clustered in order on both cores
+        compressed = compression is not None and compression.method in PATCHED_COMPRESSIONS
+        # old and new values of every changed tensor, compressed in order (palettes on both cores)
         names = [name for name in changes for _ in range(2)]
         values = [value for pair in pairs for value in pair]
-        settings = [weight_setting(name, value.shape, compression) for name, value in zip(names, values)] if palettized else []
-        records = palettized_records(values, settings, self.palettes, names) if palettized else None
+        settings = [weight_setting(name, value.shape, compression) for name, value in zip(names, values)] if compressed else []
+        records = compressed_records(values, settings, self.palettes, names) if compressed else None
         tensor_changes = []
         done, total = 0, 2 * sum(old.size for old, _ in pairs)
         for old, new in pairs:
@@ -296,7 +300,7 @@ class _PartBuilder:
         mode = manifest.lora_mode(name)
         changes = None
         if mode == "fuse":
-            patchable = compression.method in ("none", "palettize") and not self.checked.adapters[name].modules_to_save
+            patchable = compression.method in ("none", *PATCHED_COMPRESSIONS) and not self.checked.adapters[name].modules_to_save
             # The compressed base first: its build is the memory peak, and should not also hold
             # the fused weights.
             source = self.template(compression) if patchable else None

@@ -1,7 +1,8 @@
 """The build's calibration: the activation statistics of the manifest's calibration texts, which
 data-aware palettes weigh by (``compress.importance``), measured once and kept in the build cache,
-and the Gram matrices of each layer's inputs that error-compensated palette entries are chosen
-with (``compress.compensation``), measured when a palette that needs them is not cached.
+and the Gram matrices of each layer's inputs that error-compensated palette entries and int4
+integers are chosen with (``compress.compensation``), measured when a palette or integers that
+need them are not cached.
 
 The statistics are the base's, on every calibration text (the base's and each skill's), not each
 fused function's on its own text: identical base weights then get identical palettes in every
@@ -22,7 +23,8 @@ from adapterpack.inputs.checked import CheckedInputs
 
 log = logging.getLogger(__name__)
 
-# Bump when what the statistics compute, or what palettes make of them, changes: the key is part
+# Bump when what the statistics compute, or what palettes or linear integers make of them (the
+# algorithm labels of their cache entries change too), changes: the key is part
 # of every data-aware part's and auto choice's key, so ones cached by an older version are not
 # used. 2: error-compensated palette entries (compress.compensation).
 CALIBRATION_VERSION = 2
@@ -36,10 +38,10 @@ _LAST_MEASURED: dict[str, ChannelImportance] = {}
 
 def calibration_key(checked: CheckedInputs, function: str | None = None) -> str | None:
     """Digest of everything the statistics depend on, or None when none are used (no calibration
-    text, or ``function``, when named, is not palettized)."""
+    text, or ``function``, when named, is compressed without it: ``Compression.uses_calibration``)."""
     if not checked.calibration:
         return None
-    if function is not None and checked.manifest.compression_for(function).method != "palettize":
+    if function is not None and not checked.manifest.compression_for(function).uses_calibration():
         return None
     return content_key(
         {
@@ -66,8 +68,9 @@ def calibration_ids(checked: CheckedInputs) -> dict[str | None, list[int]]:
 
 
 def channel_importance(checked: CheckedInputs, reporter, cache=None) -> ChannelImportance | None:
-    """The importance data-aware palettes weigh by, or None when the build palettizes data-free
-    (no calibration text, or nothing palettized)."""
+    """The importance data-aware palettes weigh by (and whose Grams compensate palette entries
+    and int4 integers), or None when the build compresses data-free (no calibration text, or
+    nothing it compresses uses it: ``Compression.uses_calibration``)."""
     manifest = checked.manifest
     if not any(calibration_key(checked, name) for name in manifest.function_names):
         return None

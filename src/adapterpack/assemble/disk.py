@@ -3,7 +3,8 @@
 A clean build of the parts-built format leaves in its build cache the base converted
 uncompressed (one float16 model) and compressed, one compressed part per function (each a
 whole function: the merge stores shared weights once, the parts do not), and for palettization
-the palettes (an index byte per weight, for the base and each fused function's own weights);
+the palettes (an index byte per weight, for the base and each fused function's own weights), as
+for error-compensated linear integers (an integer byte per weight);
 it stages the merged package beside the output. Measured on the Llama-3.2-1B shape (4 fused
 adapters, 4-bit palettes, float16 model 2.4 GB): cache 7.2 GB (bases 2.9, parts 2.4, palettes
 2.0), package 0.87 GB (7.65 and 0.87 GB exactly); the shares below estimate 8.05 and 0.97 GB,
@@ -20,7 +21,8 @@ from pathlib import Path
 from adapterpack.config.manifest import Compression
 from adapterpack.errors import OutOfResources
 
-# Palettes on disk per float16 model byte (1B shape, 4 adapters on q/k/v/o: 2.0 GB for 2.4 GB).
+# Palettes on disk per float16 model byte (1B shape, 4 adapters on q/k/v/o: 2.0 GB for 2.4 GB);
+# compensated integers take as much (one int8 per weight, where palettes keep a uint8 index).
 PALETTE_SHARE = 0.85
 # A merged package per compressed function, per function it holds (fused functions' own weights).
 PACKAGE_GROWTH_PER_FUNCTION = 0.1
@@ -60,7 +62,10 @@ def disk_needs(checked) -> DiskNeeds:
     share = max(stored_share(c) for c in compressions)
     functions = len(manifest.function_names)
     compressed = share * model
-    palettes = PALETTE_SHARE * model if any(c.method == "palettize" for c in compressions) else 0.0
+    kept_values = any(c.method == "palettize" for c in compressions) or (
+        bool(checked.calibration) and any(c.uses_calibration() for c in compressions)
+    )
+    palettes = PALETTE_SHARE * model if kept_values else 0.0
     cache = model + compressed + functions * compressed + palettes
     output = compressed * (1 + PACKAGE_GROWTH_PER_FUNCTION * functions)
     return DiskNeeds(cache=int(cache), output=int(output))

@@ -8,7 +8,9 @@ compressed form and the converter writes it as is.
 
 Compressing in torch, not on the converted program, keeps the manifest's rules by weight name
 (``keep_float16``, LoRA matrices, per-adapter overrides), and the palettes come from the same
-k-means and palette store as the ``.mlpackage`` (``palettes.PaletteStore``). A weight met again in
+k-means and palette store as the ``.mlpackage`` (``palettes.PaletteStore``), and linear integers
+from the same quantization (``quantize.stored_quantized``: coremltools' own, or error-compensated
+with calibration text). A weight met again in
 a later function (the base's, in every fused adapter) is served the very same buffers, so the
 base is compressed once and the converter stores it once.
 
@@ -27,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from adapterpack.compress.palettes import PaletteStore, content_digest, grouped_rows
+from adapterpack.compress.quantize import stored_quantized
 from adapterpack.config.compression import weight_setting
 from adapterpack.config.manifest import Compression
 
@@ -60,42 +63,24 @@ class _CompressedEmbedding(nn.Module):
         return F.embedding(ids, self.weight_source(), self.padding_idx)
 
 
-def symmetric_scale(blocks: np.ndarray, nbits: int) -> np.ndarray:
-    """The float16 scale (as float32) of each block of ``blocks`` (..., block values) under
-    linear symmetric quantization: its largest magnitude over 2^(nbits-1) - 1; 1 for an all-zero block."""
-    scale = np.abs(blocks).max(axis=-1) / ((1 << (nbits - 1)) - 1)
-    scale[scale == 0] = 1.0
-    return scale.astype(np.float16).astype(np.float32)
-
-
-def _symmetric_int(weight: np.ndarray, compression: Compression) -> nn.Module | None:
-    """Linear symmetric quantization, coremltools' ``linear_symmetric``: q in [-(2^(n-1)-1), 2^(n-1)-1]."""
+def _symmetric_int(weight: np.ndarray, compression: Compression, name: str, store: PaletteStore) -> nn.Module | None:
+    """Linear symmetric quantization, coremltools' ``linear_symmetric`` (q within
+    +-(2^(n-1) - 1)), with the integers error-compensated where ``store``'s importance has the
+    layer's Gram: exactly what the ``.mlpackage`` stores (``quantize.stored_quantized``)."""
     if weight.ndim != 2:
         return None  # not a matrix: left float16
-    layers = _custom_layers()
-    value = weight.astype(np.float32)
-    qmax = (1 << (compression.nbits - 1)) - 1
-    out_dim, in_dim = value.shape
-    if compression.granularity == "per_tensor":
-        blocks = value.reshape(1, 1, -1)
-    elif compression.granularity == "per_channel":
-        blocks = value.reshape(out_dim, 1, in_dim)
-    elif in_dim % compression.block_size:
+    found = stored_quantized(weight, compression, name, store)
+    if found is None:
         return None  # blocks must tile the input channels; left float16, as coremltools leaves it
-    else:
-        blocks = value.reshape(out_dim, in_dim // compression.block_size, compression.block_size)
-    scale = symmetric_scale(blocks, compression.nbits)
-    quantized = np.clip(np.rint(blocks / scale[..., None]), -qmax, qmax).astype(np.int8).reshape(value.shape)
-    if compression.granularity == "per_tensor":
-        scale = scale.reshape(1, 1)
-    return layers.WeightDequantizeModule(
+    quantized, scale = found
+    return _custom_layers().WeightDequantizeModule(
         torch.from_numpy(quantized),
         torch.from_numpy(scale.astype(np.float16)),
         input_dtype=torch.int4 if compression.nbits == 4 else torch.int8,
     )
 
 
-def _magnitude_pruned(weight: np.ndarray, compression: Compression) -> nn.Module:
+def _magnitude_pruned(weight: np.ndarray, compression: Compression, name: str, store: PaletteStore) -> nn.Module:
     """The smallest ``sparsity`` of the weights by magnitude set to zero, as coremltools' magnitude pruner."""
     layers = _custom_layers()
     flat = weight.reshape(-1)
@@ -148,7 +133,7 @@ class CoreAIWeights:
         """Name -> module whose forward gives the weight as Core AI stores it (None: left float16).
 
         ``progress(done, total)`` counts the weight values palettized so far."""
-        keys = {name: content_digest(value, compression.model_dump_json()) for name, value in weights.items()}
+        keys = {name: content_digest(value, self._label(name, value.shape, compression)) for name, value in weights.items()}
         pending = {name: weights[name] for name, key in keys.items() if key not in self._made}
         self.reused_count += len(weights) - len(pending)
         if pending:
@@ -156,11 +141,20 @@ class CoreAIWeights:
                 fresh = self._palettized(pending, compression, progress)
             else:
                 compress = ONE_AT_A_TIME[compression.method]
-                fresh = {name: compress(value, compression) for name, value in pending.items()}
+                fresh = {name: compress(value, compression, name, self.palettes) for name, value in pending.items()}
             for name, module in fresh.items():
                 self._made[keys[name]] = module
                 self.compressed_count += module is not None
         return {name: self._made[key] for name, key in keys.items()}
+
+    def _label(self, name: str, shape: tuple[int, ...], compression: Compression) -> str:
+        """What a weight's module depends on besides its values: the setting, and for compensated
+        integers the importance of its layer (palettes are keyed by the store itself)."""
+        label = compression.model_dump_json()
+        importance = self.palettes.importance
+        if compression.compensated() and importance is not None and importance.compensates(name, shape):
+            label += f"|importance {importance.digest(name)}"
+        return label
 
     def replacements(
         self,

@@ -139,20 +139,20 @@ def compress_package(
 ) -> None:
     """Write package ``target``: package ``source`` (one function) compressed as the manifest says.
 
-    Palettization streams record by record (``program.palettize_program``) whenever it can;
-    other methods, and the rare layouts it leaves to coremltools, load the program into
-    coremltools. ``progress(done, total)`` counts weight values (streaming path only).
+    Palettization and linear quantization stream record by record (``program.compress_program``)
+    whenever they can; pruning, and the rare layouts it leaves to coremltools, load the program
+    into coremltools (whose linear integers are never error-compensated). ``progress(done, total)`` counts weight values (streaming path only).
     """
-    from adapterpack.compress.program import palettize_program
+    from adapterpack.compress.program import compress_program
 
     lora_plain = lora_compression is None or lora_compression.method == "none"
     if compression.method == "none" and lora_plain:
         shutil.copytree(source, target)
         return
     palettes = palettes if palettes is not None else PaletteStore()
-    if compression.method == "palettize" and lora_plain:
+    if compression.method in ("palettize", "linear") and lora_plain:
         setting_of = lambda name, shape: weight_setting(name, shape, compression)  # noqa: E731
-        if palettize_program(source, target, compression, palettes, setting_of=setting_of, progress=progress):
+        if compress_program(source, target, compression, palettes, setting_of=setting_of, progress=progress):
             return
     ct = import_coremltools()
     with captured_output():
@@ -162,29 +162,32 @@ def compress_package(
         mlmodel.save(str(target))
 
 
-def palettized_records(
+def compressed_records(
     values: list[np.ndarray], settings: list[Compression | None], palettes: PaletteStore, names: list[str] | None = None
 ) -> Iterator[list[tuple[str, bytes]] | None]:
-    """For each weight in turn, the blob records coremltools writes for it palettized as its
-    setting says (``config.compression.weight_setting``'s): [(blob dtype, bytes)] of the indices
-    (packed n-bit, weight order) and the float16 palette; None for a weight coremltools would not
-    palettize this way (or left float16). ``names`` (the weights' tensor names) pick their
-    importance, as the compressed base was palettized with.
+    """For each weight in turn, the blob records ``program.compress_program`` writes for it
+    compressed as its setting says (``config.compression.weight_setting``'s): [(blob dtype,
+    bytes)] of the packed indices and the float16 palettes (palettized), or of the packed
+    integers and the float16 scales (linear); None for a weight left float16 or compressed
+    another way. ``names`` (the weights' tensor names) pick their importance (palettes) and Gram
+    (compensated integers), as the compressed base was written with.
 
-    Uses the same palettes the build compresses with (``palettes``, disk cache included), so a
-    fused function can be patched at the compressed level; the k-means runs on both cores
-    (``PaletteStore.in_order``). Callers check the result by finding the base weight's records
-    in a compressed package, so a layout mismatch is a miss, never a wrong patch.
+    Uses the same palettes and integers the build compresses with (``palettes``, disk cache
+    included), so a fused function can be patched at the compressed level; the k-means runs on
+    both cores (``PaletteStore.in_order``). Callers check the result by finding the base
+    weight's records in a compressed package, so a layout mismatch is a miss, never a wrong
+    patch.
     """
     from adapterpack.compress.program import index_blob_dtype, pack_indices
+    from adapterpack.compress.quantize import pack_signed, stored_quantized
+
+    def is_float16_with(value: np.ndarray, setting: Compression | None, method: str) -> bool:
+        return setting is not None and setting.method == method and value.dtype == np.float16
 
     present = [
         i
         for i, (value, setting) in enumerate(zip(values, settings))
-        if setting is not None
-        and setting.method == "palettize"
-        and value.dtype == np.float16
-        and grouped_rows(value, setting) is not None
+        if is_float16_with(value, setting, "palettize") and grouped_rows(value, setting) is not None
     ]
     found = palettes.in_order(
         [values[i].size for i in present],
@@ -193,10 +196,16 @@ def palettized_records(
         named=(lambda k: (names[present[k]], values[present[k]].shape)) if names is not None else None,
     )
     palettized = set(present)
-    for i in range(len(values)):
-        if i not in palettized:
+    for i, (value, setting) in enumerate(zip(values, settings)):
+        if i in palettized:
+            luts, indices = next(found)
+            yield [(index_blob_dtype(setting.nbits), pack_indices(indices, setting.nbits).tobytes()), ("float16", luts.astype(np.float16).tobytes())]
+        elif is_float16_with(value, setting, "linear") and value.ndim == 2:
+            quantized = stored_quantized(value, setting, names[i] if names is not None else None, palettes)
+            if quantized is None:
+                yield None
+                continue
+            data, scale = quantized
+            yield [(f"int{setting.nbits}", pack_signed(data, setting.nbits).tobytes()), ("float16", scale.tobytes())]
+        else:
             yield None
-            continue
-        luts, indices = next(found)
-        nbits = settings[i].nbits
-        yield [(index_blob_dtype(nbits), pack_indices(indices, nbits).tobytes()), ("float16", luts.astype(np.float16).tobytes())]

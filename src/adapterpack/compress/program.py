@@ -1,18 +1,21 @@
-"""Palettize a converted program record by record, without coremltools loading it.
+"""Compress a converted program record by record, without coremltools loading it.
 
 coremltools' ``palettize_weights`` loads the whole program (every weight in memory), counts the
 unique values of each weight, builds new ops in Python and serializes everything again: for a 3B
 model that is its 6 GB of float16 weights held twice and most of an hour. What it produces is
 simple, though: each compressed ``const`` becomes a ``constexpr_lut_to_dense`` named like it
 plus ``_palettized``, in the same place, reading its packed indices and its palette from two
-blob records; every other record is copied. This module writes exactly that (tests compare it
-byte for byte with coremltools' output): the spec is edited in place and the blob is streamed,
-each weight read from the source blob, palettized and written before the next one is read. The
-k-means of the next weights runs on the other core meanwhile.
+blob records; every other record is copied. ``linear_quantize_weights`` likewise makes each a
+``constexpr_blockwise_shift_scale`` named ``_quantized``, reading its integers and its float16
+scales. This module writes exactly that (tests compare it byte for byte with coremltools'
+output): the spec is edited in place and the blob is streamed, each weight read from the source
+blob, compressed and written before the next one is read. The k-means of the next weights runs
+on the other core meanwhile. Linear integers are coremltools' own, or error-compensated ones
+with calibration text (``compress.quantize``).
 
 Anything this does not handle the way coremltools would (a weight coremltools splits otherwise,
-a non-float16 weight it would compress) returns False before writing, and the caller compresses
-with coremltools instead.
+a non-float16 weight it would compress, a scale small enough to be stored inline) returns False
+before writing, and the caller compresses with coremltools instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from adapterpack.compress.palettes import PaletteStore, grouped_rows
+from adapterpack.compress.quantize import pack_signed, stored_quantized
 from adapterpack.config.manifest import Compression
 from adapterpack.formats.mlpackage.blob import BlobWriter, record_metadata
 from adapterpack.formats.mlpackage.spec import MODEL_PATH_PREFIX, load_spec_file, op_values, spec_path, walk_ops
@@ -38,9 +42,17 @@ SettingOf = Callable[[str, tuple[int, ...]], Compression | None]
 
 log = logging.getLogger(__name__)
 
+# The ops whose weights coremltools reads as (output channels, input channels) when it picks
+# linear quantization's blocks (``optimize._utils.select_input_output_channel_axis``); a weight
+# any other op reads is left to coremltools.
+LINEAR_LAYOUT_READERS = frozenset({"linear", "gather"})
+# coremltools stores a constant of fewer values than this inline in the spec, not in the blob.
+INLINE_VALUES = 10
+
+
 @dataclass
 class _Weight:
-    """One const op to palettize: where it is, its shape, and where its value lies in the source blob."""
+    """One const op to compress: where it is, its shape, and where its value lies in the source blob."""
 
     block: object  # the proto Block holding it
     position: int  # index in block.operations
@@ -63,12 +75,25 @@ def _blocks(spec) -> Iterator[object]:
         yield from function.block_specializations.values()
 
 
-def _weights_to_palettize(spec, setting_of: SettingOf) -> list[_Weight] | None:
+def _readers(spec) -> dict[str, set[str]]:
+    """Each value's name -> the types of the ops that read it (nested blocks included)."""
+    readers: dict[str, set[str]] = {}
+    for block in _blocks(spec):
+        for op in walk_ops(block):
+            for argument in op.inputs.values():
+                for binding in argument.arguments:
+                    if binding.WhichOneof("binding") == "name":
+                        readers.setdefault(binding.name, set()).add(op.type)
+    return readers
+
+
+def _weights_to_compress(spec, setting_of: SettingOf) -> list[_Weight] | None:
     """The const ops stored in the blob that ``setting_of(name, shape)`` compresses (the rule of
     ``config.compression.weight_setting``), or None when one of them is not something this module
     writes the way coremltools does."""
     data_types = import_coreml_proto().MIL_pb2.DataType
     weights: list[_Weight] = []
+    readers: dict[str, set[str]] | None = None
     for block in _blocks(spec):
         for position, op in enumerate(block.operations):
             if op.type != "const":
@@ -84,17 +109,38 @@ def _weights_to_palettize(spec, setting_of: SettingOf) -> list[_Weight] | None:
             setting = setting_of(name, shape)
             if setting is None:
                 continue
+            if tensor.dataType != data_types.FLOAT16:
+                log.debug("%s: %s weight: compressing through coremltools", name, tensor.dataType)
+                return None
+            if setting.method == "linear":
+                readers = _readers(spec) if readers is None else readers
+                if not _quantizes_here(shape, setting, readers.get(op.outputs[0].name, set())):
+                    log.debug("%s: %s weight of shape %s: quantizing through coremltools", name, setting.granularity, shape)
+                    return None
+                file = value.blobFileValue
+                weights.append(_Weight(block, position, name, shape, file.fileName, file.offset, setting))
+                continue
             if setting.method != "palettize":
                 return None
             rows = shape[0] if setting.granularity == "per_tensor" else setting.group_size
             # coremltools stores a palette of fewer than 10 values inline, not in the blob
             small_palette = (shape[0] // rows if rows else 0) << setting.nbits < 10
-            if tensor.dataType != data_types.FLOAT16 or not rows or shape[0] % rows or small_palette:
+            if not rows or shape[0] % rows or small_palette:
                 log.debug("%s: %s weight of shape %s: palettizing through coremltools", name, tensor.dataType, shape)
                 return None
             file = value.blobFileValue
             weights.append(_Weight(block, position, name, shape, file.fileName, file.offset, setting))
     return weights
+
+
+def _quantizes_here(shape: tuple[int, ...], setting: Compression, readers: set[str]) -> bool:
+    """Whether a linear-quantized weight is laid out as this module writes it: a matrix read as
+    (output, input) channels, blocks tiling its inputs, its scales stored in the blob."""
+    if len(shape) != 2 or not readers or not readers <= LINEAR_LAYOUT_READERS:
+        return False
+    if setting.granularity == "per_block":
+        return shape[1] % setting.block_size == 0 and shape[0] * (shape[1] // setting.block_size) >= INLINE_VALUES
+    return setting.granularity == "per_channel" and shape[0] >= INLINE_VALUES
 
 
 def index_blob_dtype(nbits: int) -> str:
@@ -128,7 +174,7 @@ def _local_path(package: Path, file_name: str) -> Path:
     return spec_path(package).parent / file_name[len(MODEL_PATH_PREFIX) :]
 
 
-def palettize_program(
+def compress_program(
     source: Path,
     target: Path,
     compression: Compression,
@@ -137,14 +183,16 @@ def palettize_program(
     setting_of: SettingOf,
     progress: Callable[[int, int], None] | None = None,
 ) -> bool:
-    """Write ``target``: the program of package ``source`` with its weights palettized as
-    ``compression`` says (``setting_of(name, shape)``: None for weights left alone), exactly as coremltools
-    would. Returns False, writing nothing, when coremltools has to do it instead.
+    """Write ``target``: the program of package ``source`` with its weights compressed as
+    ``compression`` says (``setting_of(name, shape)``: each weight's own setting, None for weights
+    left alone), exactly as coremltools would (linear integers error-compensated where
+    ``palettes``' importance has their layer's Gram). Returns False, writing nothing, when
+    coremltools has to do it instead.
 
     ``progress(done, total)``: weight values written so far, after each weight.
     """
     spec = load_spec_file(spec_path(source))
-    weights = _weights_to_palettize(spec, setting_of)
+    weights = _weights_to_compress(spec, setting_of)
     if weights is None:
         return False
     if target.exists():
@@ -155,7 +203,7 @@ def palettize_program(
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         raise
-    log.debug("palettized %d weights (%s)", len(weights), compression.describe())
+    log.debug("compressed %d weights (%s)", len(weights), compression.describe())
     return True
 
 
@@ -180,18 +228,17 @@ def _write(source, target, spec, weights, palettes, progress) -> None:
             writers[file_name] = BlobWriter(path)
         return writers[file_name]
 
-    def grouped(index: int) -> np.ndarray:
-        weight = weights[index]
+    def value_of(weight: _Weight) -> np.ndarray:
         _, data = raw(weight.file, weight.offset)
-        value = data.view(np.float16).reshape(weight.shape)
-        return grouped_rows(value, weight.setting)
+        return data.view(np.float16).reshape(weight.shape)
 
+    palettized = [w for w in weights if w.setting.method == "palettize"]
     done, total = 0, sum(math.prod(w.shape) for w in weights)
     clustered = palettes.in_order(
-        [math.prod(w.shape) for w in weights],
-        grouped,
-        lambda index: weights[index].setting.nbits,
-        named=lambda index: (weights[index].name, weights[index].shape),
+        [math.prod(w.shape) for w in palettized],
+        lambda index: grouped_rows(value_of(palettized[index]), palettized[index].setting),
+        lambda index: palettized[index].setting.nbits,
+        named=lambda index: (palettized[index].name, palettized[index].shape),
     )
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: [w.close() for w in writers.values()])
@@ -213,27 +260,17 @@ def _write(source, target, spec, weights, palettes, progress) -> None:
                                 value.blobFileValue.offset = copied[key]
                     continue
                 weight = weights[index]
-                luts, indices = next(clustered)
-                blob = writer(weight.file)
-                nbits = weight.setting.nbits
-                index_dtype = index_blob_dtype(nbits)
-                indices_at = blob.write(index_dtype, pack_indices(indices, nbits))
-                lut_at = blob.write("float16", np.ascontiguousarray(luts, dtype=np.float16))
+                if weight.setting.method == "linear":
+                    replacement = _quantized_op(proto, weight, value_of(weight), writer(weight.file), palettes)
+                else:
+                    replacement = _palettized_op(proto, weight, next(clustered), writer(weight.file))
                 output = op.outputs[0]
-                palettized = f"{weight.name}_palettized"
-                renamed[output.name] = palettized
-                replacement = proto.Operation(type="constexpr_lut_to_dense")
-                lut_shape = (luts.shape[0],) + (1,) * (len(weight.shape) - 1) + (luts.shape[1], 1)
-                replacement.inputs["lut"].arguments.add().value.CopyFrom(
-                    _file_value(proto, proto.DataType.FLOAT16, lut_shape, weight.file, lut_at)
-                )
-                replacement.inputs["indices"].arguments.add().value.CopyFrom(
-                    _file_value(proto, getattr(proto.DataType, index_dtype.upper()), weight.shape, weight.file, indices_at)
-                )
-                replacement.outputs.add(name=palettized).type.CopyFrom(output.type)
+                compressed = replacement.outputs[0].name
+                renamed[output.name] = compressed
+                replacement.outputs[0].type.CopyFrom(output.type)
                 name = replacement.attributes["name"]
                 name.type.tensorType.dataType = proto.DataType.STRING
-                name.immediateValue.tensor.strings.values.append(palettized)
+                name.immediateValue.tensor.strings.values.append(compressed)
                 op.CopyFrom(replacement)
                 done += math.prod(weight.shape)
                 if progress is not None:
@@ -243,6 +280,43 @@ def _write(source, target, spec, weights, palettes, progress) -> None:
     # does this, so both ways give the same program.
     spec.mlProgram.attributes.pop("buildInfo", None)
     spec_path(target).write_bytes(spec.SerializeToString())
+
+
+def _palettized_op(proto, weight: _Weight, palettes, blob: BlobWriter):
+    """A ``constexpr_lut_to_dense`` for ``weight``, its indices and palettes written to ``blob``."""
+    luts, indices = palettes
+    nbits = weight.setting.nbits
+    index_dtype = index_blob_dtype(nbits)
+    indices_at = blob.write(index_dtype, pack_indices(indices, nbits))
+    lut_at = blob.write("float16", np.ascontiguousarray(luts, dtype=np.float16))
+    op = proto.Operation(type="constexpr_lut_to_dense")
+    lut_shape = (luts.shape[0],) + (1,) * (len(weight.shape) - 1) + (luts.shape[1], 1)
+    op.inputs["lut"].arguments.add().value.CopyFrom(_file_value(proto, proto.DataType.FLOAT16, lut_shape, weight.file, lut_at))
+    op.inputs["indices"].arguments.add().value.CopyFrom(
+        _file_value(proto, getattr(proto.DataType, index_dtype.upper()), weight.shape, weight.file, indices_at)
+    )
+    op.outputs.add(name=f"{weight.name}_palettized")
+    return op
+
+
+def _quantized_op(proto, weight: _Weight, value: np.ndarray, blob: BlobWriter, palettes: PaletteStore):
+    """A ``constexpr_blockwise_shift_scale`` for ``weight`` (symmetric: no offset), its integers
+    and scales written to ``blob``."""
+    found = stored_quantized(value, weight.setting, weight.name, palettes)
+    if found is None:  # checked before writing (_quantizes_here)
+        raise ValueError(f"{weight.name}: cannot be quantized as {weight.setting.describe()}")
+    data, scale = found
+    nbits = weight.setting.nbits
+    data_dtype = f"int{nbits}"
+    data_at = blob.write(data_dtype, pack_signed(data, nbits))
+    scale_at = blob.write("float16", np.ascontiguousarray(scale, dtype=np.float16))
+    op = proto.Operation(type="constexpr_blockwise_shift_scale")
+    op.inputs["data"].arguments.add().value.CopyFrom(
+        _file_value(proto, getattr(proto.DataType, data_dtype.upper()), weight.shape, weight.file, data_at)
+    )
+    op.inputs["scale"].arguments.add().value.CopyFrom(_file_value(proto, proto.DataType.FLOAT16, scale.shape, weight.file, scale_at))
+    op.outputs.add(name=f"{weight.name}_quantized")
+    return op
 
 
 def _rename_inputs(op, renamed: dict[str, str]) -> None:

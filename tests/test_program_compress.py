@@ -1,5 +1,6 @@
-"""Palettization written record by record (compress.program) against coremltools' own
-``palettize_weights`` on the same converted programs: the weight blob must be byte-identical,
+"""Palettization and linear quantization written record by record (compress.program) against
+coremltools' own ``palettize_weights`` and ``linear_quantize_weights`` on the same converted
+programs: the weight blob must be byte-identical,
 and the program the same graph (coremltools renames and reorders a few ops of its own when it
 reloads a program, so the graph is compared by content, not by names or order)."""
 
@@ -16,7 +17,7 @@ import pytest
 from adapterpack.assemble.records import ProgressLines, progress_text
 from adapterpack.compress.model import compress_model, compress_package
 from adapterpack.compress.palettes import PaletteStore
-from adapterpack.compress.program import pack_indices, palettize_program
+from adapterpack.compress.program import compress_program, pack_indices
 from adapterpack.config.compression import weight_setting
 from adapterpack.config.manifest import Compression
 from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path, walk_ops
@@ -31,6 +32,12 @@ SETTINGS = {
     "4-bit with per-layer exceptions": dict(
         nbits=4, granularity="per_grouped_channel", group_size=16, keep_float16=[],
         layers={"layers.0.mlp": {"nbits": 8}, "layers.1.self_attn.q_proj": {"group_size": 4}, "o_proj": {"method": "none"}},
+    ),
+    "linear int4 per block of 32": dict(method="linear", nbits=4, granularity="per_block", block_size=32, keep_float16=[]),
+    "linear int8 per channel, embeddings kept": dict(method="linear", nbits=8, granularity="per_channel"),
+    "linear int4 with per-layer exceptions": dict(
+        method="linear", nbits=4, keep_float16=[],
+        layers={"layers.0.mlp": {"nbits": 8}, "layers.1.self_attn.q_proj": {"block_size": 64}, "o_proj": {"method": "none"}},
     ),
 }
 
@@ -92,12 +99,12 @@ def programs(family_build) -> dict[str, Path]:
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("program", ["base", "kept"])
-def test_streamed_palettization_equals_coremltools(programs, tmp_path, setting, program):
-    compression = Compression(method="palettize", **SETTINGS[setting])
+def test_streamed_compression_equals_coremltools(programs, tmp_path, setting, program):
+    compression = Compression(**{"method": "palettize", **SETTINGS[setting]})
     source = programs[program]
     coremltools_palettized(source, tmp_path / "coremltools.mlpackage", compression)
     written = []
-    assert palettize_program(
+    assert compress_program(
         source, tmp_path / "streamed.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression),
         progress=lambda done, total: written.append((done, total)),
     )
@@ -106,8 +113,9 @@ def test_streamed_palettization_equals_coremltools(programs, tmp_path, setting, 
     assert graph(tmp_path / "streamed.mlpackage") == graph(tmp_path / "coremltools.mlpackage")
     # progress counts up to every palettized value
     assert written and written[-1][0] == written[-1][1] and [d for d, _ in written] == sorted(d for d, _ in written)
-    # and something was palettized at all (the comparison would otherwise be of two copies)
-    assert b"constexpr_lut_to_dense" in spec_path(tmp_path / "streamed.mlpackage").read_bytes()
+    # and something was compressed at all (the comparison would otherwise be of two copies)
+    op_type = b"constexpr_blockwise_shift_scale" if compression.method == "linear" else b"constexpr_lut_to_dense"
+    assert op_type in spec_path(tmp_path / "streamed.mlpackage").read_bytes()
 
 
 def test_per_layer_exceptions_take_effect(programs, tmp_path):
@@ -118,7 +126,7 @@ def test_per_layer_exceptions_take_effect(programs, tmp_path):
     sizes = {}
     for label, compression in (("plain", plain), ("excepted", excepted)):
         target = tmp_path / f"{label}.mlpackage"
-        assert palettize_program(programs["base"], target, compression, PaletteStore(), setting_of=setting_of(compression))
+        assert compress_program(programs["base"], target, compression, PaletteStore(), setting_of=setting_of(compression))
         sizes[label] = (target / WEIGHTS).stat().st_size
         spec = load_spec_file(spec_path(target))
         ops = {op.outputs[0].name: op for f in spec.mlProgram.functions.values() for b in f.block_specializations.values() for op in walk_ops(b) if op.outputs}
@@ -138,14 +146,14 @@ def test_per_layer_exceptions_take_effect(programs, tmp_path):
 def test_graph_comparison_notices_a_changed_op(programs, tmp_path):
     """The graph comparison the test above relies on can fail."""
     compression = Compression(method="palettize", **SETTINGS["4-bit grouped"])
-    palettize_program(programs["base"], tmp_path / "a.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
+    compress_program(programs["base"], tmp_path / "a.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
     spec = load_spec_file(spec_path(tmp_path / "a.mlpackage"))
     function = next(iter(spec.mlProgram.functions.values()))
     block = next(iter(function.block_specializations.values()))
     multiply = next(op for op in block.operations if op.type == "mul")
     multiply.type = "add"
     spec_path(tmp_path / "a.mlpackage").write_bytes(spec.SerializeToString())
-    palettize_program(programs["base"], tmp_path / "b.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
+    compress_program(programs["base"], tmp_path / "b.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
     assert graph(tmp_path / "a.mlpackage") != graph(tmp_path / "b.mlpackage")
 
 
@@ -153,7 +161,7 @@ def test_layouts_it_does_not_write_go_to_coremltools(programs, tmp_path):
     """A 2-bit per-tensor palette (4 values) is stored inline by coremltools, not in the blob:
     the streamed writer declines and compress_package takes coremltools' way."""
     compression = Compression(method="palettize", nbits=2, granularity="per_tensor", keep_float16=[])
-    assert not palettize_program(programs["base"], tmp_path / "s.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
+    assert not compress_program(programs["base"], tmp_path / "s.mlpackage", compression, PaletteStore(), setting_of=setting_of(compression))
     assert not (tmp_path / "s.mlpackage").exists()
     compress_package(programs["base"], tmp_path / "p.mlpackage", compression)
     coremltools_palettized(programs["base"], tmp_path / "c.mlpackage", compression)
