@@ -10,7 +10,7 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
-from adapterpack.verify.coreai_engine import SequentialEngine, check_signature
+from adapterpack.verify.coreai_engine import PipelinedEngine, SequentialEngine, check_signature
 from adapterpack.verify.drives import APPLE_DRIVES, run_drive, verification_tokens
 from adapterpack.verify.reference import reference_logits
 from adapterpack.verify.runners import function_sessions
@@ -70,16 +70,18 @@ def test_the_signature_is_the_one_apple_s_engine_takes(apple_asset):
         check_signature(function.name, *[[(f.name, f.dtype, f.shape) for f in kind] for kind in (function.inputs, function.outputs, function.states)])
 
 
-def test_caches_grown_from_two_slots_give_the_same_logits(apple_asset):
+@pytest.mark.parametrize("engine", ["pipelined", "sequential"])
+def test_caches_grown_from_two_slots_give_the_same_logits(apple_asset, engine):
     """The runtime grows the caches by copying their filled prefix into arrays it does not zero
-    (NaN here): a function must read only the slots its calls wrote, whatever the capacity."""
+    (NaN here): a function must read only the slots its calls wrote, whatever the capacity (the
+    pipelined engine's also hold its warmup call's)."""
     checked_manifest = apple_asset.manifest
     from adapterpack.inputs.checked import check_inputs
 
     checked = check_inputs(checked_manifest)
     tokens = verification_tokens(int(checked.base.config["vocab_size"]), checked_manifest.verify)
     sessions = function_sessions(apple_asset.output)
-    small = sessions("rs")(initial_capacity=2)
+    small = sessions("rs")(engine=engine, initial_capacity=2)
     grown = run_drive(small, tokens, 9, "apple-chunked")
     capacity, doublings = 2, 0
     while capacity < len(tokens):
@@ -143,6 +145,53 @@ def test_a_long_prompt_is_chunked_and_the_caches_double_up_to_the_maximum():
     np.testing.assert_array_equal(kept, np.arange(1100))  # every grown copy kept the filled prefix
     with pytest.raises(BadInput, match="exceeds the maximum 1500"):
         engine.process(np.zeros(401, np.int32))
+
+
+def test_the_pipelined_engine_warms_up_and_keeps_a_prefix():
+    """The GPU engine's caches start at 256 slots whatever the maximum context; warmup leaves its
+    call's slot written and the count at 0; ``generate`` grows once for prompt + tokens, sends
+    the previous argmax and stops at the maximum; ``reset_to`` keeps a prefix."""
+    recorder = _Recorder()
+    shapes = {"key_cache": (2, 1, 1, -1, 4), "value_cache": (2, 1, 1, -1, 4)}
+    engine = PipelinedEngine(recorder, shapes, max_context=40)
+    assert engine.capacity == 256 and engine.sequence_axis == 3
+    engine.warmup()
+    (ids, positions, _), = recorder.calls
+    np.testing.assert_array_equal(ids, [[1]])
+    np.testing.assert_array_equal(positions, [[0]])
+    assert engine.processed == 0
+    rows, generated = engine.generate([3, 4, 5], max_tokens=4)
+    assert generated == [2, 3, 4, 5]  # the recorder's logits are one-hot at each row's position
+    assert [c[0].tolist() for c in recorder.calls[1:]] == [[[3, 4, 5]], [[2]], [[3]], [[4]]]
+    assert [c[1].shape[1] for c in recorder.calls[1:]] == [3, 4, 5, 6] and rows.shape == (6, 8)
+    engine.reset_to(2)
+    engine.process([9])
+    np.testing.assert_array_equal(recorder.calls[-1][1], np.arange(3)[None])
+    with pytest.raises(ValueError, match="out of range"):
+        engine.reset_to(4)
+    with pytest.raises(BadInput, match="no room"):
+        engine.generate(np.zeros(37, np.int32), max_tokens=1)
+    small = PipelinedEngine(_Recorder(), shapes, max_context=1500, initial_capacity=2)
+    small.generate(np.zeros(5, np.int32), max_tokens=100)
+    assert (small.grown, small.capacity) == (1, 128)  # once, for 105 slots: 2 doubled six times
+
+
+def test_a_conversation_kept_as_a_prefix_is_computed_as_a_fresh_one(apple_asset):
+    """What ``LanguageModelSession`` does between turns on the pipelined engine: warmup, a first
+    turn, ``reset(to:)`` back into it, then new tokens. Every logit of the new tokens equals a
+    fresh session's over the same sequence (float32 compute)."""
+    sessions = function_sessions(apple_asset.output)
+    first = sessions("rs")()
+    engine = first.engine
+    history = [5, 17, 33, 2, 8]
+    _, generated = engine.generate(history, max_tokens=6)
+    assert engine.processed == 10  # the last token generated is not sent
+    engine.reset_to(7)  # the prompt and the first two tokens generated
+    continued = engine.prefill([11, 12])  # slot 9 still holds the first turn's last key and value
+    fresh = sessions("rs")(engine="sequential").engine
+    whole = fresh.prefill(history + generated[:2] + [11, 12])
+    assert np.isfinite(continued).all()
+    np.testing.assert_allclose(continued, whole[-2:], atol=1e-4)
 
 
 def test_a_signature_apple_s_engine_refuses_is_bad_input():

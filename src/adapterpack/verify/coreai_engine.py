@@ -23,9 +23,26 @@ Written from apple/coreai-models at 86b363d (``swift/Sources/CoreAILanguageModel
   slot no call has written holds whatever memory held, which is NaN here, so a function that
   reads one shows it.
 
+And the GPU's (``PipelinedEngine``), where it differs, from the same commit:
+
+- ``InferenceEngines/KVCache+CoreAI.swift``: a dynamic sequence axis gets a ``GrowingKVCache``
+  (``KVCacheFactory.make``, strategy ``.auto``) of 256 slots whatever ``maxContextLength``
+  (``KVCacheStrategy.growing.defaultSize``), its sequence axis 3 for a 5-D cache
+  (``detectSequenceDim``); it doubles by copying the old slots into a new buffer, bounded by the
+  model's declared size only (none when dynamic).
+- ``InferenceEngines/CoreAIPipelinedEngine.swift``: ``generate`` refuses a prompt that leaves no
+  context, grows the caches once for ``processed + prompt + maxTokens`` (at most
+  ``maxContextLength``), prefills (chunked as the sequential engine) and decodes one token per
+  call; ``performWarmup(queryLength:)`` runs one call of token ids 1 at positions from 0 and then
+  ``reset()``, which only sets the count back to 0: the caches keep what warmup wrote.
+  ``reset(to:)`` with a smaller count rewinds the count alone (a prefix kept for the next turn).
+- ``LanguageModel/ModelResources.swift``: ``loadEngine`` warms up with ``queryLength: 1``.
+
     engine = SequentialEngine(run, states, max_context=512)   # run(inputs, states) -> logits
     logits = engine.process(prompt_ids)          # one call, every row of the prompt
     logits = engine.process([next_id])           # a decode step
+    engine = PipelinedEngine(run, states, max_context=512)
+    engine.warmup()                              # as LanguageModelSession's loader does
 """
 
 from __future__ import annotations
@@ -41,6 +58,10 @@ INITIAL_CAPACITY = 256
 # ModelConfig.chunkThreshold's default and prefillChunkSize's bound.
 CHUNK_THRESHOLD = 1024
 PREFILL_CHUNK_LIMIT = 512
+# GrowingKVCache's first capacity on the GPU engine (KVCacheStrategy.growing.defaultSize).
+PIPELINED_INITIAL_CAPACITY = 256
+# The token id performWarmup writes for every position of its call.
+WARMUP_TOKEN = 1
 
 Run = Callable[[dict[str, np.ndarray], dict[str, object]], np.ndarray]  # (inputs, states) -> logits
 
@@ -81,14 +102,21 @@ class SequentialEngine:
         self._shapes = dict(states)
         self._make, self._read = make, read
         self.max_context = int(max_context)
-        first = next(iter(self._shapes.values()))
-        dynamic = [axis for axis, size in enumerate(first) if size < 0]
-        self.sequence_axis = dynamic[0] if dynamic else max(0, len(first) - 2)
-        self.capacity = min(initial_capacity, self.max_context)
+        self.sequence_axis = self._sequence_axis(next(iter(self._shapes.values())))
+        self.capacity = self._first_capacity(initial_capacity)
         self.processed = 0
         self.calls = 0
         self.grown = 0
         self._arrays = {name: self._make(self._fresh(shape, self.capacity)) for name, shape in self._shapes.items()}
+
+    @staticmethod
+    def _sequence_axis(shape: tuple[int, ...]) -> int:
+        # StateHandler+NDArray: the first dynamic axis, else the second last
+        dynamic = [axis for axis, size in enumerate(shape) if size < 0]
+        return dynamic[0] if dynamic else max(0, len(shape) - 2)
+
+    def _first_capacity(self, initial: int) -> int:
+        return min(initial, self.max_context)  # StateHandlerFactory: min(256, maxContextLength)
 
     @staticmethod
     def _fresh(shape: tuple[int, ...], capacity: int) -> np.ndarray:
@@ -138,3 +166,82 @@ class SequentialEngine:
             return self.process(tokens)
         size = min(PREFILL_CHUNK_LIMIT, chunk_threshold)
         return np.concatenate([self.process(tokens[start : start + size]) for start in range(0, tokens.size, size)])
+
+
+class PipelinedEngine(SequentialEngine):
+    """``CoreAIPipelinedEngine`` (the GPU's) over one function, where it differs from the
+    sequential engine: 256-slot caches whatever the maximum context, grown once per ``generate``,
+    a warmup call whose cache contents stay, and ``reset_to`` keeping a prefix. The GPU sampler's
+    token is the caller's to pass (greedy: the argmax of the logits returned)."""
+
+    def __init__(self, run: Run, states: dict[str, tuple[int, ...]], *, max_context: int, **options):
+        options.setdefault("initial_capacity", PIPELINED_INITIAL_CAPACITY)
+        super().__init__(run, states, max_context=max_context, **options)
+        declared = next(iter(self._shapes.values()))[self.sequence_axis]
+        self._bound = declared if declared > 0 else None
+
+    @staticmethod
+    def _sequence_axis(shape: tuple[int, ...]) -> int:
+        return 3 if len(shape) == 5 else 2  # KVCacheFactory.detectSequenceDim
+
+    def _first_capacity(self, initial: int) -> int:
+        return initial  # GrowingKVCache(initialCapacity:): not bounded by maxContextLength
+
+    def ensure_capacity(self, context: int) -> None:
+        """``GrowingKVCache.encodePipelinedExpansion(forContextLength:)``: double until it fits,
+        bounded by the declared size only; the old slots copied to the same places."""
+        if context <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < context:
+            capacity *= 2
+        if self._bound is not None:
+            capacity = min(capacity, self._bound)
+        if capacity < context:
+            raise BadInput(f"context length {context} exceeds the KV cache's {self._bound} slots")
+        axis = self.sequence_axis
+        for name, shape in self._shapes.items():
+            old = self._read(self._arrays[name])
+            new = self._fresh(shape, capacity)
+            index = [slice(None)] * old.ndim
+            index[axis] = slice(0, old.shape[axis])
+            new[tuple(index)] = old
+            self._arrays[name] = self._make(new)
+        self.capacity = capacity
+        self.grown += 1
+
+    def warmup(self, query_length: int = 1) -> None:
+        """``performWarmup(queryLength:)`` as ``ModelResources.loadEngine`` calls it: one call
+        of ``WARMUP_TOKEN`` ids, then ``reset()`` (the count only)."""
+        self.ensure_capacity(query_length)
+        self.process(np.full(query_length, WARMUP_TOKEN, np.int32))
+        self.processed = 0
+
+    def reset_to(self, index: int) -> None:
+        """``reset(to:)``: keep the first ``index`` tokens (0: a new conversation); the caches
+        are left as they are either way."""
+        if not 0 <= index <= self.processed:
+            raise ValueError(f"reset(to: {index}) out of range [0, {self.processed}]")
+        self.processed = index
+
+    def generate(self, prompt, max_tokens: int) -> tuple[np.ndarray, list[int]]:
+        """``generate`` with a greedy sampler: the prompt's logits (chunked as the sequential
+        engine sends it) and then one call per new token, each sending the previous call's
+        argmax. Returns (the logits of every call's rows, the tokens generated)."""
+        prompt = np.asarray(prompt, dtype=np.int32).reshape(-1)
+        left = self.max_context - self.processed - prompt.size
+        if left < 1:
+            raise BadInput(f"context length {self.processed + prompt.size} leaves no room in {self.max_context}")
+        total = min(max_tokens, left)
+        self.ensure_capacity(min(self.processed + prompt.size + total, self.max_context))
+        if not prompt.size:
+            raise ValueError("an empty prompt continues from the GPU sampler's last token, which this does not keep")
+        rows = [self.prefill(prompt)]
+        generated: list[int] = []
+        while len(generated) < total:
+            token = int(np.argmax(rows[-1][-1]))
+            generated.append(token)
+            if len(generated) == total:
+                break
+            rows.append(self.process([token]))
+        return np.concatenate(rows), generated

@@ -238,10 +238,12 @@ def _swift_transformers_sessions(summary, runtime: _CoreAIRuntime) -> Callable[[
 def _apple_sessions(package: Path, summary, runtime: _CoreAIRuntime) -> Callable[[str], Callable[[], Predict]]:
     """Entry points of an asset of Apple's contract, each session an emulated Swift engine
     (``verify.coreai_engine``): it sends the position ids and grows the caches itself, as the
-    runtime does, so the ``causalMask`` a caller passes is not sent (Apple's contract has none)."""
+    runtime does, so the ``causalMask`` a caller passes is not sent (Apple's contract has none).
+    By default the pipelined engine, warmed up as ``LanguageModelSession``'s loader does: the one
+    ``EngineFactory`` picks for an asset of dynamic shapes (``autoDetectVariant``)."""
     from coreai.runtime import NDArray
 
-    from adapterpack.verify.coreai_engine import SequentialEngine, check_signature
+    from adapterpack.verify.coreai_engine import PipelinedEngine, SequentialEngine, check_signature
 
     max_context = int(aimodel.asset_metadata(package).get(METADATA_PREFIX + "maxContext", "0") or 0)
     if max_context < 1:  # what the bundle's max_context_length tells the runtime
@@ -265,10 +267,14 @@ def _apple_sessions(package: Path, summary, runtime: _CoreAIRuntime) -> Callable
             sent = {names[0]: NDArray(np.ascontiguousarray(given["ids"])), names[1]: NDArray(np.ascontiguousarray(given["positions"]))}
             return runtime.run(entry(sent, state=arrays))[logits].numpy()
 
-        def new_session(**engine) -> Predict:
-            """``engine``: ``SequentialEngine`` options (tests start smaller to make it grow)."""
+        def new_session(engine: str = "pipelined", **options) -> Predict:
+            """``engine``: "pipelined" (warmed up) or "sequential"; ``options``: the engine's
+            (tests start the caches smaller to make them grow)."""
             shapes = {name: aimodel.dims_of(shape.replace("?", "-1")) for name, _, shape in states}
-            found = SequentialEngine(run, shapes, max_context=max_context, make=NDArray, read=lambda a: a.numpy(), **engine)
+            kind = PipelinedEngine if engine == "pipelined" else SequentialEngine
+            found = kind(run, shapes, max_context=max_context, make=NDArray, read=lambda a: a.numpy(), **options)
+            if engine == "pipelined":
+                found.warmup()
 
             def predict(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
                 return found.process(ids)[None]
