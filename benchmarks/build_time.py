@@ -13,6 +13,7 @@ peak RSS, package sizes and ratios, and the rebuild after one adapter changed (w
     .venv/bin/python benchmarks/build_time.py --with-verify         # ~25M-parameter Llama, 4 adapters
     .venv/bin/python benchmarks/build_time.py --shape 25m 1b 3b --baseline-shapes 25m --verify-package --keep
     .venv/bin/python benchmarks/build_time.py --shape 1b 3b --skip-baseline --verify-package --verify-previous
+    .venv/bin/python benchmarks/build_time.py --shape 1b --skip-baseline --disk-previous    # peak disk, before and after
 
 Shapes: 25m (a small Llama), and the published Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B
 shapes with random float16 weights (made once under ``--work``). Each build runs in its own
@@ -168,8 +169,10 @@ def _tree_rss_gib(pid: int) -> float:
     return total / 2**20
 
 
-def peak_rss_of(command: list[str], timeout: float | None) -> dict:
-    """Seconds, peak RSS (GiB) and whether ``command`` finished.
+def peak_rss_of(command: list[str], timeout: float | None, disk: Path | None = None) -> dict:
+    """Seconds, peak RSS (GiB) and whether ``command`` finished; with ``disk``, also the most
+    its filesystem's used bytes rose above where they started (GiB, sampled twice a second:
+    nothing else should write there meanwhile).
 
     Peak RSS is the process's own high-water mark when it finishes; when it is cut off at
     ``timeout``, the highest RSS sampled (twice a second) until then. The command runs in its
@@ -187,10 +190,14 @@ def peak_rss_of(command: list[str], timeout: float | None) -> dict:
     # stderr passes through: the builds' progress lines show how a long run is going
     process = subprocess.Popen(wrapper, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
     sampled = [0.0]
+    used_at_start = shutil.disk_usage(disk).used if disk is not None else 0
+    disk_peak = [0]
 
     def sample() -> None:
         while process.poll() is None:
             sampled[0] = max(sampled[0], _tree_rss_gib(process.pid))
+            if disk is not None:
+                disk_peak[0] = max(disk_peak[0], shutil.disk_usage(disk).used - used_at_start)
             time.sleep(0.5)
 
     threading.Thread(target=sample, daemon=True).start()
@@ -207,21 +214,39 @@ def peak_rss_of(command: list[str], timeout: float | None) -> dict:
     finished = code == "0"
     if not finished:
         print(stdout[-3000:], file=sys.stderr)
-    return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_gib": round(int(kib) / 2**20, 2), "finished": finished}
+    figures = {"seconds": round(time.perf_counter() - started, 1), "peak_rss_gib": round(int(kib) / 2**20, 2), "finished": finished}
+    if disk is not None:
+        figures["peak_disk_gib"] = round(disk_peak[0] / 2**30, 2)
+    return figures
 
 
-def full_and_rebuild(root: Path, manifest: Path, output: Path, *, verify: bool) -> dict:
-    """A clean build, then a rebuild after one adapter (a2) changed, with a cache of their own."""
+def stored_gib(folder: Path) -> float:
+    """What ``folder`` takes on disk, each hard-linked file once (GiB)."""
+    seen, total = set(), 0
+    for path in folder.rglob("*"):
+        info = path.lstat()
+        if path.is_file() and (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            total += info.st_blocks * 512
+    return round(total / 2**30, 2)
+
+
+def full_and_rebuild(root: Path, manifest: Path, output: Path, *, verify: bool, launcher: list[str] | None = None, tag: str | None = None) -> dict:
+    """A clean build, then a rebuild after one adapter (a2) changed, with a cache of their own;
+    the clean build's peak disk (its cache and staging, beside the output) and the cache it
+    leaves. ``launcher``: how the CLI is started (default: ``adapterpack``)."""
     from safetensors.torch import load_file, save_file
 
-    cli = [str(Path(PYTHON).parent / "adapterpack")]
-    tag = "_verified" if verify else ""
+    cli = launcher or [str(Path(PYTHON).parent / "adapterpack")]
+    tag = tag if tag is not None else ("_verified" if verify else "")
     cache = output.parent / f"cache{tag}"
     shutil.rmtree(cache, ignore_errors=True)
     command = [*cli, "build", str(manifest), "-o", str(output), "--quiet", "--force", "--cache-dir", str(cache)]
     if not verify:
         command.append("--no-verify")
-    figures = {f"adapterpack_full{tag}": peak_rss_of(command, None)}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figures = {f"adapterpack_full{tag}": peak_rss_of(command, None, disk=output.parent)}
+    figures[f"adapterpack_full{tag}"]["cache_gib"] = stored_gib(cache)
     # A new a2 (a different B), everything else unchanged.
     weights = root / "a2" / "adapter_model.safetensors"
     original = weights.read_bytes()
@@ -274,6 +299,12 @@ def machine() -> dict:
 
 
 # `adapterpack verify` with the executor's float16 products widened in numpy (its previous way).
+# The build as before the converted base was deleted once compressed (kept in the cache).
+PREVIOUS_DISK = (
+    "import sys; import adapterpack.assemble.builder as builder;"
+    "builder._PartBuilder._drop_uncompressed_when_done = lambda self: None;"
+    "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
+)
 PREVIOUS_VERIFY = (
     "import sys; import adapterpack.verify.executor.linalg as linalg; linalg.FLOAT16_PRODUCTS_IN_TORCH = False;"
     "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
@@ -301,6 +332,14 @@ def run_shape(args, shape: str) -> dict:
         figures["verify_numpy_products"] = peak_rss_of(previous, None)
         if "adapterpack_verify" in figures:
             figures["verify_speedup"] = round(figures["verify_numpy_products"]["seconds"] / figures["adapterpack_verify"]["seconds"], 2)
+    if args.disk_previous:  # the same build keeping the converted base, as before
+        previous = full_and_rebuild(root, manifest, root / "out" / "previous.mlpackage", verify=False,
+                                    launcher=[PYTHON, "-c", PREVIOUS_DISK], tag="_keeping_converted_base")
+        figures.update(previous)
+        ours_peak, before = figures["adapterpack_full"]["peak_disk_gib"], previous["adapterpack_full_keeping_converted_base"]["peak_disk_gib"]
+        figures["peak_disk_ratio"] = round(ours_peak / before, 3) if before else None
+        base_gib = sum(p.stat().st_size for p in (root / "base").glob("*.safetensors")) / 2**30
+        figures["peak_disk_over_package_and_base"] = round(ours_peak / (figures["adapterpack_bytes"] / 2**30 + base_gib), 3)
     if args.with_verify:  # the default build verifies every function; unchanged ones keep their verdict
         figures.update(full_and_rebuild(root, manifest, root / "out" / "verified.mlpackage", verify=True))
     if args.keep:
@@ -337,6 +376,8 @@ def main() -> None:
     parser.add_argument("--verify-previous", action="store_true",
                         help="also time verify with float16 products widened in numpy, the executor's previous way")
     parser.add_argument("--keep", action="store_true", help="also time full and rebuild with lora: keep")
+    parser.add_argument("--disk-previous", action="store_true",
+                        help="also build keeping the converted base in the cache, as before (peak disk side by side)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 

@@ -125,15 +125,27 @@ def test_fan_out_job_reuses_a_restored_cache(project, tmp_path, monkeypatch):
 
 
 def test_converted_base_is_cached_and_pruned_with_its_settings(project, tmp_path):
+    """The cache keeps the compressed base the functions are made from, and the uncompressed one
+    only while a function is made from it (otherwise it is the float16 model's whole size on disk
+    for nothing but a later change of compression)."""
     changed = tmp_path / "p"
     shutil.copytree(project, changed, ignore=shutil.ignore_patterns("out", "parts*"))
     build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False))
     templates = changed / "out" / ".adapterpack-cache" / "bases"
-    first = sorted(p.parent.name for p in templates.glob("*/base.mlpackage"))
-    assert len(first) == 2  # converted, and compressed for the palettized functions
 
-    (changed / "m.yaml").write_text(MANIFEST.replace("method: palettize", "method: palettize, nbits: 6"))
+    def cached() -> list[str]:
+        assert len(list(templates.iterdir())) == len(list(templates.glob("*/base.mlpackage")))  # nothing half-deleted
+        return sorted(p.parent.name for p in templates.glob("*/base.mlpackage"))
+
+    first = cached()
+    assert len(first) == 1  # compressed; the converted base was deleted once it was
+    assert not list((changed / "out").glob("**/.template-*"))
+    six_bits = MANIFEST.replace("method: palettize", "method: palettize, nbits: 6")
+    (changed / "m.yaml").write_text(six_bits)
     build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False, force=True))
-    second = sorted(p.parent.name for p in templates.glob("*/base.mlpackage"))
-    assert len(second) == 2 and len(set(first) & set(second)) == 1  # the 4-bit base is gone
-    assert len(list(templates.iterdir())) == 2  # nothing half-deleted or left over
+    second = cached()
+    assert len(second) == 1 and not set(first) & set(second)  # converted again, the 4-bit base gone
+    (changed / "m.yaml").write_text(six_bits.replace("{name: code, path: code}", "{name: code, path: code, compression: {method: none}}"))
+    build(changed / "m.yaml", output=changed / "out" / "p.mlpackage", options=BuildOptions(verify=False, force=True))
+    third = cached()
+    assert len(third) == 2 and set(second) < set(third)  # code is made from the converted base: kept

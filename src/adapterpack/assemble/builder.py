@@ -76,7 +76,7 @@ def build_parts(
         for name in names:
             if name not in reused:
                 if builder is None:
-                    builder = _PartBuilder(checked, reporter, folder, cache, palettes)
+                    builder = _PartBuilder(checked, reporter, folder, cache, palettes, templates_for(checked, to_build))
                 builder.build(name, targets[name], finished={n: targets[n] for n in names if n in reused or n in built})
                 built.append(name)
                 if cache is not None:
@@ -149,6 +149,12 @@ def check_float16_range(checked: CheckedInputs, functions: list[str], cache=None
                 )
 
 
+def templates_for(checked: CheckedInputs, names: list[str]) -> set[str]:
+    """Keys of the converted bases the functions ``names`` may be made from: each one's
+    compression's (the uncompressed one's where that is none)."""
+    return {template_key(checked, checked.manifest.compression_for(name)) for name in names}
+
+
 def template_key(checked: CheckedInputs, compression=None) -> str:
     """Cache key of the converted base, uncompressed (None) or compressed as ``compression`` says."""
     from adapterpack.compress.palettes import PALETTE_ALGORITHM
@@ -184,8 +190,9 @@ class _PartBuilder:
     compresses anything, so a build never holds it and a compressing program at once.
     """
 
-    def __init__(self, checked: CheckedInputs, reporter: Reporter, workdir: Path, cache, palettes):
+    def __init__(self, checked: CheckedInputs, reporter: Reporter, workdir: Path, cache, palettes, wanted: set[str] = frozenset()):
         self.checked = checked
+        self._wanted = set(wanted)  # keys of the templates this build's functions are made from
         self.palettes = palettes  # compress.palettes.PaletteStore of this build
         self.reporter = reporter
         self.workdir = workdir
@@ -230,7 +237,7 @@ class _PartBuilder:
         if compression is not None and compression.method == "none":
             compression = None
         key = template_key(self.checked, compression)
-        if key in self._templates:
+        if key in self._templates and self._templates[key].exists():
             return self._templates[key]
         path = self.workdir / f".template-{key[:16]}.mlpackage"
         cached = self.cache.template(key) if self.cache is not None else None
@@ -251,7 +258,23 @@ class _PartBuilder:
         if cached is None and self.cache is not None:
             self.cache.put_template(key, path, self.checked.base.content_hash)
         self._templates[key] = path
+        if compression is not None:
+            self._drop_uncompressed_when_done()
         return path
+
+    def _drop_uncompressed_when_done(self) -> None:
+        """Delete the uncompressed base (here and in the cache) once every compressed one this
+        build needs is made, unless a function is made from it: it is the float16 model's whole
+        size on disk (16 GB at 8B, beside 4.5 GB compressed), and only a change of compression
+        would use it again, at the cost of converting the base again."""
+        plain = template_key(self.checked)
+        if plain in self._wanted or plain not in self._templates or any(k not in self._templates for k in self._wanted):
+            return
+        shutil.rmtree(self._templates.pop(plain), ignore_errors=True)
+        entry = self.cache.open("bases", plain) if self.cache is not None else None
+        if entry is not None:
+            self.cache.drop(entry)
+        log.debug("dropped the uncompressed base: every function is made from a compressed one")
 
     def _fused_changes(self, name: str, adapter) -> dict | None:
         """{tensor: (base, fused)} float16 values of a fused adapter, or None if it changes more

@@ -62,11 +62,14 @@ def disk_needs(checked) -> DiskNeeds:
     share = max(stored_share(c) for c in compressions)
     functions = len(manifest.function_names)
     compressed = share * model
+    # The uncompressed base is deleted once the compressed one is made, unless a function is
+    # made from it (assemble.builder): then it is there only while the base is compressed.
+    uncompressed = model if any(c.method == "none" for c in compressions) else 0.0
     kept_values = any(c.method == "palettize" for c in compressions) or (
         bool(checked.calibration) and any(c.uses_calibration() for c in compressions)
     )
     palettes = PALETTE_SHARE * model if kept_values else 0.0
-    cache = model + compressed + functions * compressed + palettes
+    cache = compressed + palettes + max(model, uncompressed + functions * compressed)
     output = compressed * (1 + PACKAGE_GROWTH_PER_FUNCTION * functions)
     return DiskNeeds(cache=int(cache), output=int(output))
 

@@ -18,7 +18,7 @@ from adapterpack.assemble.builder import (
     build_parts,
     folder_size,
     merge_parts,
-    template_key,
+    templates_for,
 )
 from adapterpack.assemble.cache import BuildCache
 from adapterpack.assemble.parts import PartRecord, content_key, read_parts, write_part
@@ -155,7 +155,8 @@ def _verified(plan: Plan, staged: Path, written: Written, options: BuildOptions,
 
 def _prune_cache(plan: Plan, written: Written) -> None:
     manifest, checked = plan.manifest, plan.checked
-    templates = {template_key(checked)} | {template_key(checked, manifest.compression_for(n)) for n in manifest.function_names}
+    # the uncompressed base only when a function is made from it (builder._drop_uncompressed_when_done)
+    templates = templates_for(checked, list(manifest.function_names))
     plan.cache.prune_build(manifest.name, {record.key for record, _ in written.parts}, checked.base.content_hash, templates)
 
 
