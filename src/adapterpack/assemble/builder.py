@@ -18,7 +18,6 @@ from adapterpack.formats.mlpackage.format import MLPACKAGE
 from adapterpack.formats.mlpackage.merge import merge_functions
 from adapterpack.formats.mlpackage.weight_patch import TensorChange, patch_weights
 from adapterpack.inputs.checked import CheckedInputs, hf_name
-from adapterpack.quiet import captured_output
 
 log = logging.getLogger(__name__)
 
@@ -224,9 +223,9 @@ class _PartBuilder:
         return convert_decoder(model, max_context=export.max_context, target=export.deployment_target)
 
     def _save(self, mlmodel, path: Path) -> None:
+        from adapterpack.formats.mlpackage.spec import save_model
 
-        with captured_output():
-            mlmodel.save(str(path))
+        save_model(mlmodel, path)
 
     def template(self, compression=None) -> Path:
         """The base converted once: uncompressed, or compressed as ``compression`` says.

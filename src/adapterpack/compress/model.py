@@ -22,6 +22,7 @@ import numpy as np
 from adapterpack.compress.palettes import PaletteStore, grouped_rows
 from adapterpack.config.compression import WEIGHT_THRESHOLD, is_lora_weight, weight_setting
 from adapterpack.config.manifest import Compression
+from adapterpack.formats.mlpackage.spec import save_model
 from adapterpack.quiet import captured_output, import_coremltools
 
 log = logging.getLogger(__name__)
@@ -158,8 +159,7 @@ def compress_package(
     with captured_output():
         mlmodel = ct.models.MLModel(str(source), skip_model_load=True)
     mlmodel = compress_model(mlmodel, compression, lora_compression, palettes=palettes)
-    with captured_output():
-        mlmodel.save(str(target))
+    save_model(mlmodel, target)
 
 
 def compressed_records(

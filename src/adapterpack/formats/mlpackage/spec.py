@@ -22,6 +22,38 @@ SPEC_NAME = "model.mlmodel"
 MODEL_PATH_PREFIX = "@model_path/"
 
 
+def save_model(mlmodel, path: Path) -> None:
+    """Write coremltools' ``mlmodel`` as the package ``path``, and delete the temporary package
+    coremltools made for it at once: coremltools copies that package on ``save`` and deletes it
+    only when the process exits, so every model converted or compressed in a build would hold
+    its whole size on disk until the build ends (16 GB for an 8B base). Where the temporary
+    package is on the same filesystem it is moved, not copied."""
+    import os
+    import shutil
+
+    path = Path(path)
+    temporary = getattr(mlmodel, "package_path", None) if getattr(mlmodel, "is_temp_package", False) else None
+    if temporary is None or not Path(temporary).is_dir():
+        with captured_output():
+            mlmodel.save(str(path))
+        return
+    if path.exists():
+        shutil.rmtree(path)
+    try:
+        os.rename(temporary, path)
+    except OSError:  # another filesystem
+        with captured_output():
+            mlmodel.save(str(path))
+        shutil.rmtree(temporary, ignore_errors=True)
+    else:
+        # what save writes besides the copy: the spec as the model holds it (metadata set since)
+        from coremltools.models.utils import _get_model_spec_path, save_spec
+
+        save_spec(mlmodel.get_spec(), _get_model_spec_path(str(path)))
+    mlmodel.package_path = str(path)  # the model's package is there now
+    mlmodel.is_temp_package = False
+
+
 def refuse_special_files(package: Path) -> None:
     """BadInput naming the first file of ``package`` that is a FIFO, socket or device (reading
     one blocks, or never ends) or a symlink that leads nowhere (or to itself)."""
