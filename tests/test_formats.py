@@ -55,3 +55,32 @@ def test_no_code_outside_the_formats_layer_tests_a_format():
             if FORMAT_TEST.search(line):
                 found.append(f"{relative}:{number}: {line.strip()}")
     assert not found, found
+
+
+def test_a_saved_model_leaves_no_temporary_package(tmp_path):
+    """coremltools keeps a converted model in a temporary package until the process exits;
+    ``save_model`` moves it into place, with the metadata set after conversion."""
+    import numpy as np
+
+    from adapterpack.formats.mlpackage.spec import load_spec_file, save_model, spec_path
+    from adapterpack.quiet import captured_output, import_coremltools
+
+    ct = import_coremltools()
+    from coremltools.converters.mil import Builder as mb
+
+    weight = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float16)
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 64), dtype=ct.converters.mil.mil.types.fp16)], opset_version=ct.target.iOS18)
+    def program(x):
+        return mb.linear(x=x, weight=weight)
+
+    with captured_output():
+        model = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18, skip_model_load=True)
+    temporary = Path(model.package_path)
+    assert temporary.is_dir() and model.is_temp_package
+    model.user_defined_metadata["written"] = "after conversion"
+    save_model(model, tmp_path / "m.mlpackage")
+    assert not temporary.exists()
+    spec = load_spec_file(spec_path(tmp_path / "m.mlpackage"))
+    assert spec.description.metadata.userDefined["written"] == "after conversion"
+    assert (tmp_path / "m.mlpackage" / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").stat().st_size > 64 * 64 * 2
