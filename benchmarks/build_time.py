@@ -299,12 +299,37 @@ def machine() -> dict:
 
 
 # `adapterpack verify` with the executor's float16 products widened in numpy (its previous way).
-# The build as before the converted base was deleted once compressed (kept in the cache).
-PREVIOUS_DISK = (
-    "import sys; import adapterpack.assemble.builder as builder;"
-    "builder._PartBuilder._drop_uncompressed_when_done = lambda self: None;"
-    "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
-)
+# The build's disk use as before: the converted base kept in the cache beside the compressed one,
+# coremltools' temporary copy of every model it converts or compresses kept until the process
+# exits, and a byte per palette index in the palette cache.
+PREVIOUS_DISK = """
+import io, sys
+import numpy as np
+import adapterpack.assemble.builder as builder
+import adapterpack.compress.model as model
+import adapterpack.compress.palettes as palettes
+import adapterpack.formats.mlpackage.spec as spec
+from adapterpack.quiet import captured_output
+
+builder._PartBuilder._drop_uncompressed_when_done = lambda self: None
+
+def save_copy(mlmodel, path):
+    with captured_output():
+        mlmodel.save(str(path))
+
+spec.save_model = model.save_model = save_copy
+
+def store_bytes(self, key, found):
+    if key is not None:
+        buffer = io.BytesIO()
+        np.savez(buffer, luts=found[0], indices=found[1])
+        self.files.write(key, buffer.getvalue())
+
+palettes.PaletteStore._store = store_bytes
+from adapterpack.cli.app import main
+sys.argv[0] = "adapterpack"
+main()
+"""
 PREVIOUS_VERIFY = (
     "import sys; import adapterpack.verify.executor.linalg as linalg; linalg.FLOAT16_PRODUCTS_IN_TORCH = False;"
     "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
@@ -332,7 +357,7 @@ def run_shape(args, shape: str) -> dict:
         figures["verify_numpy_products"] = peak_rss_of(previous, None)
         if "adapterpack_verify" in figures:
             figures["verify_speedup"] = round(figures["verify_numpy_products"]["seconds"] / figures["adapterpack_verify"]["seconds"], 2)
-    if args.disk_previous:  # the same build keeping the converted base, as before
+    if args.disk_previous:  # the same build with its disk use as before (PREVIOUS_DISK)
         previous = full_and_rebuild(root, manifest, root / "out" / "previous.mlpackage", verify=False,
                                     launcher=[PYTHON, "-c", PREVIOUS_DISK], tag="_keeping_converted_base")
         figures.update(previous)
@@ -377,7 +402,7 @@ def main() -> None:
                         help="also time verify with float16 products widened in numpy, the executor's previous way")
     parser.add_argument("--keep", action="store_true", help="also time full and rebuild with lora: keep")
     parser.add_argument("--disk-previous", action="store_true",
-                        help="also build keeping the converted base in the cache, as before (peak disk side by side)")
+                        help="also build with the disk use of before (PREVIOUS_DISK): peak disk side by side")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 

@@ -174,3 +174,17 @@ def test_damaged_working_files_are_recomputed(tmp_path):
     assert np.array_equal(store.tensor_palettes([tensor], 4)[0][0], computed[0])
     entry.write_bytes(b"not a zip")
     assert np.array_equal(store.tensor_palettes([tensor], 4)[0][1], computed[1])
+
+
+def test_cached_4_bit_indices_take_half_a_byte_each(tmp_path):
+    """Palette cache entries keep indices packed (a 1B base's would otherwise take 2 GB)."""
+    from adapterpack.assemble.cache import FolderPalettes
+
+    flat = np.random.default_rng(5).standard_normal((64, 4096)).astype(np.float16)
+    store = PaletteStore(FolderPalettes(tmp_path))
+    (luts, indices), = store.tensor_palettes([flat], 4)
+    (entry,) = tmp_path.glob("*.npz")
+    assert entry.stat().st_size < 0.55 * flat.size
+    (again_luts, again), = PaletteStore(FolderPalettes(tmp_path)).tensor_palettes([flat], 4)
+    np.testing.assert_array_equal(again, indices)
+    np.testing.assert_array_equal(again_luts, luts)

@@ -176,6 +176,21 @@ def test_index_packing_matches_coremltools(nbits):
     np.testing.assert_array_equal(pack_indices(indices, nbits), pack_elements_into_bits(indices, nbits))
 
 
+@pytest.mark.parametrize("nbits", [1, 2, 4, 8])
+def test_packed_values_unpack_to_themselves(nbits):
+    """The palette and integer caches keep indices and integers packed, as the blob does."""
+    from adapterpack.compress.palettes import pack_bits, unpack_bits
+    from adapterpack.compress.quantize import pack_signed, unpack_signed
+
+    values = np.random.default_rng(nbits).integers(0, 1 << nbits, size=1001, dtype=np.uint8)
+    packed = pack_bits(values, nbits)
+    assert packed.size == -(-1001 * nbits // 8)
+    np.testing.assert_array_equal(unpack_bits(packed, nbits, 1001), values)
+    if nbits in (4, 8):
+        signed = np.random.default_rng(nbits).integers(-(1 << (nbits - 1)) + 1, 1 << (nbits - 1), size=1001).astype(np.int8)
+        np.testing.assert_array_equal(unpack_signed(pack_signed(signed, nbits), nbits, 1001), signed)
+
+
 def test_progress_lines_report_rate_and_time_left():
     lines = []
     update = ProgressLines("base: compress", "weights", lines.append, every=0.0)

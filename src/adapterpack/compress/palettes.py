@@ -86,6 +86,32 @@ def grouped_rows(value: np.ndarray, compression: Compression) -> np.ndarray | No
     return np.ascontiguousarray(value).reshape(value.shape[0] // rows, -1)
 
 
+def pack_bits(values: np.ndarray, nbits: int) -> np.ndarray:
+    """uint8 ``values`` (each below 2**nbits) packed ``nbits`` each, least significant bits
+    first, flat; for ``nbits`` that divide 8 (the blob's uintN layout, and the palette cache's).
+    """
+    flat = np.ascontiguousarray(values, dtype=np.uint8).reshape(-1)
+    if nbits == 8:
+        return flat
+    per_byte = 8 // nbits
+    padded = np.zeros(-(-flat.size // per_byte) * per_byte, np.uint8)
+    padded[: flat.size] = flat
+    columns = padded.reshape(-1, per_byte)
+    packed = columns[:, 0].copy()
+    for i in range(1, per_byte):
+        packed |= columns[:, i] << (i * nbits)
+    return packed
+
+
+def unpack_bits(packed: np.ndarray, nbits: int, count: int) -> np.ndarray:
+    """``pack_bits`` undone: the first ``count`` values, uint8."""
+    packed = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    if nbits == 8:
+        return packed[:count].copy()
+    per_byte, mask = 8 // nbits, (1 << nbits) - 1
+    return np.stack([(packed >> (i * nbits)) & mask for i in range(per_byte)], axis=1).reshape(-1)[:count]
+
+
 def content_digest(values: np.ndarray, label: str) -> str:
     """sha256 of ``values``' bytes, shape and dtype, and ``label`` (what they are compressed with)."""
     digest = hashlib.sha256(memoryview(np.ascontiguousarray(values)).cast("B"))
@@ -314,7 +340,11 @@ class PaletteStore:
             return None
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as stored:
-                luts, indices = stored["luts"], stored["indices"]
+                luts = stored["luts"]
+                if "packed" in stored:  # indices at nbits each (entries written before: a byte each)
+                    indices = unpack_bits(stored["packed"], nbits, flat.size).reshape(flat.shape)
+                else:
+                    indices = stored["indices"]
             # a damaged entry is recomputed, never used
             if luts.shape == (flat.shape[0], 1 << nbits) and indices.shape == flat.shape and indices.dtype == np.uint8:
                 if not indices.size or int(indices.max()) < (1 << nbits):
@@ -326,6 +356,12 @@ class PaletteStore:
     def _store(self, key: str | None, palettes: Palettes) -> None:
         if key is None:
             return
+        luts, indices = palettes
+        nbits = int(luts.shape[1]).bit_length() - 1
         buffer = io.BytesIO()
-        np.savez(buffer, luts=palettes[0], indices=palettes[1])
+        if 8 % nbits == 0:
+            # packed: at 4 bits the cache then takes half the disk (a 1B base's palettes: 2.0 GiB a byte per index)
+            np.savez(buffer, luts=luts, packed=pack_bits(indices, nbits))
+        else:
+            np.savez(buffer, luts=luts, indices=indices)
         self.files.write(key, buffer.getvalue())

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapterpack.compress.palettes import PaletteStore, grouped_rows
+from adapterpack.compress.palettes import PaletteStore, grouped_rows, pack_bits
 from adapterpack.compress.quantize import pack_signed, stored_quantized
 from adapterpack.config.manifest import Compression
 from adapterpack.formats.mlpackage.blob import BlobWriter, record_metadata
@@ -151,21 +151,11 @@ def index_blob_dtype(nbits: int) -> str:
 def pack_indices(indices: np.ndarray, nbits: int) -> np.ndarray:
     """Palette indices packed ``nbits`` each, least significant bits first (the blob's uintN
     layout, as coremltools' ``pack_elements_into_bits``), as uint8."""
-    flat = np.ascontiguousarray(indices, dtype=np.uint8).reshape(-1)
-    if nbits == 8:
-        return flat
     if 8 % nbits:
         from coremltools.optimize._utils import pack_elements_into_bits
 
-        return pack_elements_into_bits(flat, nbits)
-    per_byte = 8 // nbits
-    padded = np.zeros(-(-flat.size // per_byte) * per_byte, np.uint8)
-    padded[: flat.size] = flat
-    columns = padded.reshape(-1, per_byte)
-    packed = columns[:, 0].copy()
-    for i in range(1, per_byte):
-        packed |= columns[:, i] << (i * nbits)
-    return packed
+        return pack_elements_into_bits(np.ascontiguousarray(indices, dtype=np.uint8).reshape(-1), nbits)
+    return pack_bits(indices, nbits)
 
 
 def _local_path(package: Path, file_name: str) -> Path:

@@ -16,11 +16,12 @@ columns. On SmolLM2-135M's held-out texts, int4 in blocks of 32 goes from a perp
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 
 from adapterpack.compress.compensation import compensated_indices
-from adapterpack.compress.palettes import PaletteStore, content_digest
+from adapterpack.compress.palettes import PaletteStore, content_digest, pack_bits, unpack_bits
 from adapterpack.config.manifest import Compression
 
 # Bump when compensated integers change (keys of their cache entries).
@@ -74,7 +75,7 @@ def stored_quantized(
     if found is None:
         found = quantized(value, setting, gram=importance.gram(name))
         if found is not None and key is not None:
-            store.files.write(key, to_bytes(*found))
+            store.files.write(key, to_bytes(*found, setting.nbits))
     return found
 
 
@@ -92,16 +93,19 @@ def _compensated(value: np.ndarray, scale: np.ndarray, nbits: int, gram: np.ndar
 def pack_signed(data: np.ndarray, nbits: int) -> np.ndarray:
     """Signed integers as the blob stores them: int8 as is, int4 two per byte, low nibble
     first (two's complement)."""
-    from adapterpack.compress.program import pack_indices
-
-    if nbits == 8:
-        return np.ascontiguousarray(data, dtype=np.int8).reshape(-1).view(np.uint8)
-    return pack_indices(np.asarray(data, dtype=np.int8).view(np.uint8) & ((1 << nbits) - 1), nbits)
+    return pack_bits(np.asarray(data, dtype=np.int8).view(np.uint8) & ((1 << nbits) - 1), nbits)
 
 
-def to_bytes(data: np.ndarray, scale: np.ndarray) -> bytes:
+def unpack_signed(packed: np.ndarray, nbits: int, count: int) -> np.ndarray:
+    """``pack_signed`` undone: the first ``count`` integers, int8 (sign-extended)."""
+    values = unpack_bits(packed, nbits, count).astype(np.int16)
+    return np.where(values >= 1 << (nbits - 1), values - (1 << nbits), values).astype(np.int8)
+
+
+def to_bytes(data: np.ndarray, scale: np.ndarray, nbits: int) -> bytes:
+    """A cache entry: the integers packed as the blob stores them (half a byte each at 4 bits)."""
     buffer = io.BytesIO()
-    np.savez(buffer, data=data, scale=scale)
+    np.savez(buffer, packed=pack_signed(data, nbits), nbits=np.int64(nbits), scale=scale)
     return buffer.getvalue()
 
 
@@ -109,9 +113,12 @@ def from_bytes(stored: bytes, shape: tuple[int, ...]) -> tuple[np.ndarray, np.nd
     """A cache entry read back, or None when it is damaged or not of ``shape``."""
     try:
         with np.load(io.BytesIO(stored), allow_pickle=False) as entry:
-            data, scale = entry["data"], entry["scale"]
+            nbits, scale = int(entry["nbits"]), entry["scale"]
+            if nbits not in (4, 8) or entry["packed"].size != -(-math.prod(shape) * nbits // 8):
+                return None
+            data = unpack_signed(entry["packed"], nbits, math.prod(shape)).reshape(shape)
     except (OSError, ValueError, KeyError, EOFError):
         return None
-    if data.shape != tuple(shape) or data.dtype != np.int8 or scale.dtype != np.float16:
+    if scale.dtype != np.float16:
         return None
     return data, scale
