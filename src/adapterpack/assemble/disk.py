@@ -24,6 +24,8 @@ from adapterpack.errors import OutOfResources
 # Palettes on disk per float16 model byte (1B shape, 4 adapters on q/k/v/o, 4 bits: 1.0 GB for
 # 2.47 GB); compensated int4 integers take about as much (packed as the blob stores them).
 PALETTE_SHARE = 0.45
+# A function's program (its ops, not its weights) per decoder layer: 25 KB at the 1B shape.
+SPEC_BYTES_PER_LAYER = 32 << 10
 # A merged package per compressed function, per function it holds (fused functions' own weights).
 PACKAGE_GROWTH_PER_FUNCTION = 0.1
 
@@ -71,6 +73,10 @@ def disk_needs(checked) -> DiskNeeds:
     palettes = PALETTE_SHARE * model if kept_values else 0.0
     cache = compressed + palettes + max(model, uncompressed + functions * compressed)
     output = compressed * (1 + PACKAGE_GROWTH_PER_FUNCTION * functions)
+    # each part, and the converted and compressed bases, carry their own program
+    spec = SPEC_BYTES_PER_LAYER * int(checked.base.config.get("num_hidden_layers") or 1)
+    cache += spec * (functions + 2)
+    output += spec * functions
     return DiskNeeds(cache=int(cache), output=int(output))
 
 
