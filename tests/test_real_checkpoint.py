@@ -225,3 +225,24 @@ def test_compensated_palettes_keep_a_real_layer_s_output(smollm2_base, module):
 
     before, after = output_error(nearest), output_error(chosen)
     assert after < 0.85 * before, after / before
+
+
+@pytest.mark.slow
+def test_real_checkpoint_runs_on_apple_s_pipelined_engine_as_peft_computes(smollm2_base, tmp_path):
+    """SmolLM2 with its shout skill, as an asset of Apple's contract computing in float32, driven
+    on Core AI's runtime as ``CoreAIPipelinedEngine`` drives it (warmed up, 256-slot caches past
+    a maximum context of 48): cosine >= 0.9999 and the skill kept, against unmerged peft."""
+    from adapterpack.assemble.pipeline import build
+    from adapterpack.assemble.records import BuildOptions
+
+    manifest = _manifest(tmp_path, smollm2_base, kept=False)
+    manifest.write_text(
+        manifest.read_text()
+        .replace("include_base: base\n", "")
+        .replace("export: {max_context: 48}", "export: {max_context: 48, format: aimodel, compute_precision: float32, contract: apple}")
+    )
+    result = build(manifest, options=BuildOptions(use_cache=False))
+    report = result.verify_report
+    assert report.passed, report.verdict()
+    (shout,) = report.functions
+    assert shout.cosine >= 0.9999 and shout.retention >= 0.999 and shout.top1 >= 0.99, shout
