@@ -236,7 +236,7 @@ class _PartBuilder:
         if compression is not None and compression.method == "none":
             compression = None
         key = template_key(self.checked, compression)
-        if key in self._templates and self._templates[key].exists():
+        if key in self._templates:
             return self._templates[key]
         path = self.workdir / f".template-{key[:16]}.mlpackage"
         cached = self.cache.template(key) if self.cache is not None else None

@@ -142,7 +142,8 @@ def compress_package(
 
     Palettization and linear quantization stream record by record (``program.compress_program``)
     whenever they can; pruning, and the rare layouts it leaves to coremltools, load the program
-    into coremltools (whose linear integers are never error-compensated). ``progress(done, total)`` counts weight values (streaming path only).
+    into coremltools (whose linear integers are never error-compensated). ``progress(done,
+    total)`` counts weight values (streaming path only).
     """
     from adapterpack.compress.program import compress_program
 
@@ -178,8 +179,8 @@ def compressed_records(
     weight's records in a compressed package, so a layout mismatch is a miss, never a wrong
     patch.
     """
-    from adapterpack.compress.program import index_blob_dtype, pack_indices
-    from adapterpack.compress.quantize import pack_signed, stored_quantized
+    from adapterpack.compress.program import palettized_records, quantized_records
+    from adapterpack.compress.quantize import stored_quantized
 
     def is_float16_with(value: np.ndarray, setting: Compression | None, method: str) -> bool:
         return setting is not None and setting.method == method and value.dtype == np.float16
@@ -198,14 +199,12 @@ def compressed_records(
     palettized = set(present)
     for i, (value, setting) in enumerate(zip(values, settings)):
         if i in palettized:
-            luts, indices = next(found)
-            yield [(index_blob_dtype(setting.nbits), pack_indices(indices, setting.nbits).tobytes()), ("float16", luts.astype(np.float16).tobytes())]
+            yield [(dtype, values.tobytes()) for dtype, values in palettized_records(*next(found), setting.nbits)]
         elif is_float16_with(value, setting, "linear") and value.ndim == 2:
             quantized = stored_quantized(value, setting, names[i] if names is not None else None, palettes)
             if quantized is None:
                 yield None
                 continue
-            data, scale = quantized
-            yield [(f"int{setting.nbits}", pack_signed(data, setting.nbits).tobytes()), ("float16", scale.tobytes())]
+            yield [(dtype, values.tobytes()) for dtype, values in quantized_records(*quantized, setting.nbits)]
         else:
             yield None

@@ -272,13 +272,24 @@ def _write(source, target, spec, weights, palettes, progress) -> None:
     spec_path(target).write_bytes(spec.SerializeToString())
 
 
+def palettized_records(luts: np.ndarray, indices: np.ndarray, nbits: int) -> list[tuple[str, np.ndarray]]:
+    """The blob records of a palettized weight, in order: (blob dtype, values) of its packed
+    indices and its float16 palettes (also what a fused weight's patch looks for)."""
+    return [(index_blob_dtype(nbits), pack_indices(indices, nbits)), ("float16", np.ascontiguousarray(luts, dtype=np.float16))]
+
+
+def quantized_records(data: np.ndarray, scale: np.ndarray, nbits: int) -> list[tuple[str, np.ndarray]]:
+    """The blob records of a linear-quantized weight, in order: its packed integers and its
+    float16 scales."""
+    return [(f"int{nbits}", pack_signed(data, nbits)), ("float16", np.ascontiguousarray(scale, dtype=np.float16))]
+
+
 def _palettized_op(proto, weight: _Weight, palettes, blob: BlobWriter):
     """A ``constexpr_lut_to_dense`` for ``weight``, its indices and palettes written to ``blob``."""
     luts, indices = palettes
-    nbits = weight.setting.nbits
-    index_dtype = index_blob_dtype(nbits)
-    indices_at = blob.write(index_dtype, pack_indices(indices, nbits))
-    lut_at = blob.write("float16", np.ascontiguousarray(luts, dtype=np.float16))
+    (index_dtype, packed), (_, lut) = palettized_records(luts, indices, weight.setting.nbits)
+    indices_at = blob.write(index_dtype, packed)
+    lut_at = blob.write("float16", lut)
     op = proto.Operation(type="constexpr_lut_to_dense")
     lut_shape = (luts.shape[0],) + (1,) * (len(weight.shape) - 1) + (luts.shape[1], 1)
     op.inputs["lut"].arguments.add().value.CopyFrom(_file_value(proto, proto.DataType.FLOAT16, lut_shape, weight.file, lut_at))
@@ -296,10 +307,9 @@ def _quantized_op(proto, weight: _Weight, value: np.ndarray, blob: BlobWriter, p
     if found is None:  # checked before writing (_quantizes_here)
         raise ValueError(f"{weight.name}: cannot be quantized as {weight.setting.describe()}")
     data, scale = found
-    nbits = weight.setting.nbits
-    data_dtype = f"int{nbits}"
-    data_at = blob.write(data_dtype, pack_signed(data, nbits))
-    scale_at = blob.write("float16", np.ascontiguousarray(scale, dtype=np.float16))
+    (data_dtype, packed), (_, scales) = quantized_records(data, scale, weight.setting.nbits)
+    data_at = blob.write(data_dtype, packed)
+    scale_at = blob.write("float16", scales)
     op = proto.Operation(type="constexpr_blockwise_shift_scale")
     op.inputs["data"].arguments.add().value.CopyFrom(
         _file_value(proto, getattr(proto.DataType, data_dtype.upper()), weight.shape, weight.file, data_at)
