@@ -47,6 +47,13 @@ def run(path, x):
     return next(iter(executor.predict({"x": x}).values()))
 
 
+def run_function(path, function, x):
+    from adapterpack.verify.executor import ProgramExecutor
+
+    executor = ProgramExecutor.load(path, functions=[function])
+    return next(iter(executor.predict({"x": x}, function=function).values()))
+
+
 def test_patched_copy_computes_with_the_new_weight(template, tmp_path):
     path, w1, w2 = template
     new = (w2.astype(np.float32) * -0.5).astype(np.float16)
@@ -56,9 +63,42 @@ def test_patched_copy_computes_with_the_new_weight(template, tmp_path):
     got = run(tmp_path / "p.mlpackage", x).astype(np.float32)
     np.testing.assert_allclose(got, expected, rtol=2e-2, atol=5e-2)
     # the template itself is untouched
-    assert (path / WEIGHTS).read_bytes() != (tmp_path / "p.mlpackage" / WEIGHTS).read_bytes()
     original = run(path, x).astype(np.float32)
     assert not np.allclose(original, got)
+
+
+def test_patched_package_shares_the_base_blob_and_holds_only_the_new_records(template, tmp_path):
+    """A fused part costs its changed records on disk, not a copy of the base: the base's blob
+    is linked (left as it was), the replacing records are a blob of their own, and the merge
+    writes one blob whose function is the patched one."""
+    from adapterpack.formats.mlpackage.digest import function_digests
+    from adapterpack.formats.mlpackage.merge import merge_functions
+
+    path, w1, w2 = template
+    before = (path / WEIGHTS).read_bytes()
+    new = (w2.astype(np.float32) + 0.25).astype(np.float16)
+    patched = tmp_path / "p.mlpackage"
+    assert patch_weights(path, patched, [TensorChange.float16(w2, new)])
+    assert (patched / WEIGHTS).stat().st_ino == (path / WEIGHTS).stat().st_ino
+    assert (path / WEIGHTS).read_bytes() == before
+    own = sorted(p.name for p in (patched / WEIGHTS).parent.iterdir())
+    assert own == ["patched-1.bin", "weight.bin"]
+    assert (patched / WEIGHTS).parent.joinpath("patched-1.bin").stat().st_size == 64 + 64 + new.nbytes
+    # patching a patched package adds a second blob and still shares the first two
+    newer = (w1.astype(np.float32) * 2).astype(np.float16)
+    twice = tmp_path / "twice.mlpackage"
+    assert patch_weights(patched, twice, [TensorChange.float16(w1, newer)])
+    assert sorted(p.name for p in (twice / WEIGHTS).parent.iterdir()) == ["patched-1.bin", "patched-2.bin", "weight.bin"]
+    x = np.random.default_rng(2).standard_normal((1, 64)).astype(np.float16)
+    hidden = (x.astype(np.float32) @ newer.T.astype(np.float32)).astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(run(twice, x).astype(np.float32), hidden @ new.T.astype(np.float32), rtol=2e-2, atol=5e-2)
+    # merged: one blob, the patched function's digest as in the part, the base's unchanged
+    merged = tmp_path / "merged.mlpackage"
+    digests = merge_functions({"base": path, "fused": twice}, default_function="base", destination=merged, metadata={}, description="")
+    assert sorted(p.name for p in (merged / WEIGHTS).parent.iterdir()) == ["weight.bin"]
+    assert digests == {"base": function_digests(path)["main"], "fused": function_digests(twice)["main"]}
+    assert digests["base"] != digests["fused"]
+    np.testing.assert_array_equal(run_function(merged, "fused", x), run(twice, x))
 
 
 def test_unknown_weight_is_refused_and_leaves_nothing(template, tmp_path):
@@ -95,6 +135,7 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     from adapterpack.compress.model import compressed_records
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.manifest import Compression
+    from adapterpack.formats.mlpackage.digest import function_digests
 
     _, w1, w2 = template
     compression = Compression(**settings)
@@ -106,9 +147,10 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     change = TensorChange.float16(w2, new)
     change.encodings.insert(0, [(d, b, a) for (d, b), (_, a) in zip(before, after)])
     assert patch_weights(base, tmp_path / "patched.mlpackage", [change])
-    patched = (tmp_path / "patched.mlpackage" / WEIGHTS).read_bytes()
-    assert patched == (expected / WEIGHTS).read_bytes()
-    assert patched != (base / WEIGHTS).read_bytes()
+    # the same program over records of the same bytes (the digest names records by content)
+    patched = function_digests(tmp_path / "patched.mlpackage")
+    assert patched == function_digests(expected)
+    assert patched != function_digests(base)
 
 
 def test_compressed_records_decode_to_the_palettized_weight():

@@ -26,6 +26,7 @@ import os
 import shutil
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -136,6 +137,18 @@ class Entry:
     @property
     def name(self) -> str:
         return f"{self.kind}/{self.key[:16]}"
+
+    def stored(self) -> dict[tuple[int, int], int]:
+        """{(device, inode): bytes} of its files as they are on disk: a file hard-linked into
+        several entries (a fused part shares the compressed base's blob) is one key."""
+        found = {}
+        for path in _payload_files(self.folder):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            found[stat.st_dev, stat.st_ino] = stat.st_size
+        return found
 
     def problem(self, *, sizes_only: bool = False) -> str | None:
         """Why the files on disk are not the ones recorded (None when they are)."""
@@ -420,10 +433,17 @@ class BuildCache:
                 dropped.append(entries.pop(0))
                 self.drop(dropped[-1].folder)
         if max_bytes is not None:
-            total = sum(e.size for e in entries)
+            # a file several entries link frees its bytes with the last of them
+            stored = {id(e): e.stored() for e in entries}
+            holders = Counter(inode for files in stored.values() for inode in files)
+            sizes = {inode: size for files in stored.values() for inode, size in files.items()}
+            total = sum(sizes.values())
             while entries and total > max_bytes:
                 oldest = entries.pop(0)
-                total -= oldest.size
+                for inode in stored[id(oldest)]:
+                    holders[inode] -= 1
+                    if not holders[inode]:
+                        total -= sizes[inode]
                 dropped.append(oldest)
                 self.drop(oldest.folder)
         return dropped

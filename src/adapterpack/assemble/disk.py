@@ -1,18 +1,18 @@
 """The disk a build will write, estimated before any work, and the refusal when it cannot fit.
 
-A clean build of the parts-built format leaves in its build cache the base compressed, one
-compressed part per function (each a whole function: the merge stores shared weights once, the
-parts do not), and for palettization the palettes (indices packed, half a byte each at 4 bits,
+A clean build of the parts-built format leaves in its build cache the base compressed, one part
+per function, and for palettization the palettes (indices packed, half a byte each at 4 bits,
 for the base and each fused function's own weights), as for error-compensated linear integers;
-it stages the merged package beside the output. The base converted uncompressed (one float16
-model) is on disk only while it is compressed, unless a function is made from it. Measured on
-the Llama-3.2-1B shape (4 fused adapters, 4-bit palettes, float16 model 2.47 GB; README): peak
-4.59 GiB during the build, cache 3.78 GiB after it (bases 0.59, parts 2.36, palettes 1.0 GB),
-package 0.87 GB; the shares below estimate 5.3 GB of cache and 0.97 GB of package.
+it stages the merged package beside the output. The base function's part is the compressed base
+itself and a fused function's part shares its blob (``mlpackage.weight_patch``): on disk it is
+the records of the weights its adapter changes; other parts are whole. The base converted
+uncompressed (one float16 model) is on disk only while it is compressed, unless a function is
+made from it. Files hard-linked into several places are counted once (``_folder_bytes``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -26,7 +26,8 @@ from adapterpack.errors import OutOfResources
 PALETTE_SHARE = 0.45
 # A function's program (its ops, not its weights) per decoder layer: 25 KB at the 1B shape.
 SPEC_BYTES_PER_LAYER = 32 << 10
-# A merged package per compressed function, per function it holds (fused functions' own weights).
+# A function not patched into the base (kept LoRA, pruning, modules it replaces) adds at most
+# this share of the compressed base to the merged package: its own weights.
 PACKAGE_GROWTH_PER_FUNCTION = 0.1
 
 
@@ -57,12 +58,27 @@ def stored_share(compression: Compression) -> float:
     return min(1.0, (compression.nbits or 8) / 16 + 1 / 32)
 
 
+def changed_bytes(checked, name: str) -> int | None:
+    """Float16 bytes of the base weights a fused adapter changes (its target modules'), or None
+    when its part is not patched into the base (``assemble.builder.PATCHED_COMPRESSIONS``)."""
+    from adapterpack.assemble.builder import PATCHED_COMPRESSIONS
+
+    manifest = checked.manifest
+    info = checked.adapters.get(name)
+    compression = manifest.compression_for(name)
+    if info is None or manifest.lora_mode(name) != "fuse" or info.modules_to_save:
+        return None
+    if compression.method not in ("none", *PATCHED_COMPRESSIONS):
+        return None
+    tensors = checked.base.tensors
+    return sum(2 * math.prod(tensors[f"{t}.weight"].shape) for t in info.target_modules if f"{t}.weight" in tensors)
+
+
 def disk_needs(checked) -> DiskNeeds:
     manifest = checked.manifest
     model = float16_model_bytes(checked)
     compressions = [manifest.compression_for(name) for name in manifest.function_names]
     share = max(stored_share(c) for c in compressions)
-    functions = len(manifest.function_names)
     compressed = share * model
     # The uncompressed base is deleted once the compressed one is made, unless a function is
     # made from it (assemble.builder): then it is there only while the base is compressed.
@@ -71,9 +87,17 @@ def disk_needs(checked) -> DiskNeeds:
         bool(checked.calibration) and any(c.uses_calibration() for c in compressions)
     )
     palettes = PALETTE_SHARE * model if kept_values else 0.0
-    cache = compressed + palettes + max(model, uncompressed + functions * compressed)
-    output = compressed * (1 + PACKAGE_GROWTH_PER_FUNCTION * functions)
+    parts = package = 0.0
+    for name in manifest.function_names:
+        if manifest.adapter(name) is None:
+            continue  # the compressed base itself
+        changed = changed_bytes(checked, name)
+        parts += compressed if changed is None else share * changed
+        package += PACKAGE_GROWTH_PER_FUNCTION * compressed if changed is None else share * changed
+    cache = compressed + palettes + max(model, uncompressed + parts)
+    output = compressed + package
     # each part, and the converted and compressed bases, carry their own program
+    functions = len(manifest.function_names)
     spec = SPEC_BYTES_PER_LAYER * int(checked.base.config.get("num_hidden_layers") or 1)
     cache += spec * (functions + 2)
     output += spec * functions
@@ -125,6 +149,13 @@ def _existing(folder: Path) -> Path:
 
 
 def _folder_bytes(folder: Path) -> int:
+    """Bytes the files under ``folder`` take, a file hard-linked in several places once (parts
+    share the compressed base's blob)."""
     if not folder.is_dir():
         return 0
-    return sum(entry.stat().st_size for entry in folder.rglob("*") if entry.is_file() and not entry.is_symlink())
+    sizes = {}
+    for entry in folder.rglob("*"):
+        if entry.is_file() and not entry.is_symlink():
+            stat = entry.stat()
+            sizes[stat.st_dev, stat.st_ino] = stat.st_size
+    return sum(sizes.values())

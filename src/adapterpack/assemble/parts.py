@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -21,6 +20,7 @@ from adapterpack.assemble.records import FunctionProvenance
 from adapterpack.errors import BadInput
 from adapterpack.formats.metadata import library_versions, package_metadata
 from adapterpack.formats.mlpackage.format import MLPACKAGE
+from adapterpack.formats.mlpackage.weight_patch import link_or_copy
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +158,6 @@ class Part(NamedTuple):
 
     record: PartRecord
     package: Path
-
-
-def link_or_copy(source: str | Path, destination: str | Path) -> None:
-    """A hard link where the filesystem allows one (parts are never modified), else a copy."""
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
 
 
 def place(source: Path, destination: Path) -> None:

@@ -98,13 +98,17 @@ def cache_listing(cache) -> dict:
 
     kinds = {kind: {"entries": 0, "bytes": 0, "last_used": None, "holds": what} for kind, what in KINDS.items()}
     unreadable = []
-    for entry in cache.entries():
+    counted = set()  # a file linked into several entries counts once, with the first (bases before parts)
+    for entry in cache.entries(sorted(KINDS, key=lambda kind: kind != "bases")):
         if not isinstance(entry, Entry):
             unreadable.append(str(entry))
             continue
         row = kinds[entry.kind]
         row["entries"] += 1
-        row["bytes"] += entry.size
+        for inode, size in entry.stored().items():
+            if inode not in counted:
+                counted.add(inode)
+                row["bytes"] += size
         row["last_used"] = max(row["last_used"] or 0, entry.last_used)
     legacy = cache.legacy()
     for row in kinds.values():

@@ -157,11 +157,22 @@ class BlobWriter:
     def write(self, dtype: str, data) -> int:
         """Append one record (``data``: bytes or any buffer, e.g. a memory-mapped array); returns
         the offset of its metadata block."""
+        view = memoryview(data).cast("B")
+        return self._append(lambda offset: self._metadata(dtype, len(view), offset), view)
+
+    def write_like(self, metadata: bytes, data) -> int:
+        """Append a record that replaces another whose metadata block is ``metadata``: its
+        fields (type, size, padding of sub-byte data) are kept, the data offset is its own."""
+        view = memoryview(data).cast("B")
+        if struct.unpack_from("<Q", metadata, 8)[0] != len(view):
+            raise ValueError(f"a record of {struct.unpack_from('<Q', metadata, 8)[0]} bytes cannot be replaced by {len(view)}")
+        return self._append(lambda offset: metadata[:16] + struct.pack("<Q", offset + METADATA_BYTES) + metadata[24:METADATA_BYTES], view)
+
+    def _append(self, metadata_at, view: memoryview) -> int:
         # Records start 64-byte aligned; the file ends right after the last one's data.
         offset = -(-self._position // ALIGNMENT) * ALIGNMENT
-        view = memoryview(data).cast("B")
         self._handle.write(bytes(offset - self._position))
-        self._handle.write(self._metadata(dtype, len(view), offset))
+        self._handle.write(metadata_at(offset))
         self._handle.write(view)
         self._position = offset + METADATA_BYTES + len(view)
         self.count += 1

@@ -30,13 +30,13 @@ def blob_values(function) -> Iterator[Any]:
                     yield value.blobFileValue
 
 
-def function_digest(function, description, identities: Mapping[int, bytes]) -> str:
+def function_digest(function, description, identities: Mapping[tuple[str, int], bytes]) -> str:
     """The digest of ``function`` (a program function), declared by ``description`` (its
-    FunctionDescription), whose weight at blob offset o has identity ``identities[o]``."""
+    FunctionDescription), whose weight at offset o of blob file f has identity ``identities[f, o]``."""
     copy = type(function)()
     copy.CopyFrom(function)
     for value in blob_values(copy):
-        value.fileName, value.offset = identities[value.offset].hex(), 0
+        value.fileName, value.offset = identities[value.fileName, value.offset].hex(), 0
     declared = type(description)()
     declared.CopyFrom(description)
     declared.name = ""
@@ -74,7 +74,7 @@ def function_digests(package: Path) -> dict[str, str]:
     with contextlib.ExitStack() as files:
         handles = {}
         for name, function in spec.mlProgram.functions.items():
-            identities: dict[int, bytes] = {}
+            identities: dict[tuple[str, int], bytes] = {}
             for value in blob_values(function):
                 if value.fileName not in handles:
                     # as the spec names it: "@model_path/weights/weight.bin"
@@ -83,8 +83,8 @@ def function_digests(package: Path) -> dict[str, str]:
                         handles[value.fileName] = files.enter_context(file.open("rb"))
                     except OSError as error:
                         raise BadInput(f"{file}: cannot read: {error.strerror or error}") from None
-                if value.offset not in identities:
-                    identities[value.offset] = record_identity(handles[value.fileName], value.offset)[0]
+                if (value.fileName, value.offset) not in identities:
+                    identities[value.fileName, value.offset] = record_identity(handles[value.fileName], value.offset)[0]
             digests[name] = function_digest(function, descriptions.get(name, Model_pb2.FunctionDescription()), identities)
     return digests
 

@@ -15,6 +15,7 @@ metadata offset; a copied record keeps its metadata except the absolute data off
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
@@ -27,13 +28,13 @@ from adapterpack.errors import BadInput
 from adapterpack.formats.metadata import METADATA_PREFIX
 from adapterpack.formats.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, record_chunks, record_identity
 from adapterpack.formats.mlpackage.digest import blob_values, function_digest, top_level_description, weights_digest
-from adapterpack.formats.mlpackage.spec import MODEL_FOLDER, SPEC_NAME, load_spec_file
+from adapterpack.formats.mlpackage.spec import MODEL_FOLDER, MODEL_PATH_PREFIX, SPEC_NAME, load_spec_file
 from adapterpack.quiet import import_coremltools
 
 log = logging.getLogger(__name__)
 
 
-WEIGHTS_FILE = "@model_path/weights/weight.bin"
+WEIGHTS_FILE = MODEL_PATH_PREFIX + "weights/weight.bin"
 
 
 # A part is a one-function package; coremltools names that function "main".
@@ -109,18 +110,19 @@ def merge_functions(
         for name, package in parts.items():
             spec = read_spec(package)
             function = _only_function(spec, package)
-            weights = package.joinpath(*MODEL_FOLDER, "weights", "weight.bin")
-            placed = {}  # offset in the part -> (offset in the merged blob, identity)
-            with weights.open("rb") as source:
+            placed = {}  # (blob file, offset) in the part -> (offset in the merged blob, identity)
+            with contextlib.ExitStack() as files:
+                sources: dict[str, BinaryIO] = {}
                 for value in blob_values(function):
-                    if value.fileName != WEIGHTS_FILE:
-                        raise BadInput(f"{package}: a weight lives in {value.fileName}, not {WEIGHTS_FILE}")
-                    if value.offset not in placed:
-                        placed[value.offset] = blob.copy(source, value.offset, str(weights))
+                    place = (value.fileName, value.offset)
+                    if value.fileName not in sources:
+                        sources[value.fileName] = files.enter_context(_part_blob(package, value.fileName).open("rb"))
+                    if place not in placed:
+                        placed[place] = blob.copy(sources[value.fileName], value.offset, str(_part_blob(package, value.fileName)))
             declared = top_level_description(spec, name)
-            digests[name] = function_digest(function, declared, {offset: key for offset, (_, key) in placed.items()})
+            digests[name] = function_digest(function, declared, {place: key for place, (_, key) in placed.items()})
             for value in blob_values(function):
-                value.offset = placed[value.offset][0]
+                value.fileName, value.offset = WEIGHTS_FILE, placed[(value.fileName, value.offset)][0]
             merged.specificationVersion = max(merged.specificationVersion, spec.specificationVersion)
             if not merged.mlProgram.version:
                 merged.mlProgram.version = spec.mlProgram.version
@@ -140,6 +142,19 @@ def merge_functions(
     (model_folder / SPEC_NAME).write_bytes(merged.SerializeToString(deterministic=True))
     write_package_manifest(destination)
     return digests
+
+
+def _part_blob(package: Path, file_name: str) -> Path:
+    """The blob file of a part that a BlobFileValue names: the base's ``weight.bin``, or one of
+    replacing records (``mlpackage.weight_patch``); BadInput for a name outside its weights."""
+    prefix = MODEL_PATH_PREFIX + "weights/"
+    name = file_name.removeprefix(prefix)
+    if not file_name.startswith(prefix) or not name or "/" in name or name.startswith("."):
+        raise BadInput(f"{package}: a weight lives in {file_name}, not in {prefix}")
+    path = package.joinpath(*MODEL_FOLDER, "weights", name)
+    if not path.is_file():
+        raise BadInput(f"{package}: its weights name {file_name}, which it does not hold")
+    return path
 
 
 def _only_function(spec, package: Path):

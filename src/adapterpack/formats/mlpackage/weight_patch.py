@@ -3,8 +3,14 @@
 A fused adapter changes the values of the weights it targets and nothing else: same ops, same
 shapes, same dtypes, and (compressed the same way) the same record sizes. So instead of tracing,
 converting and compressing the whole model once per function, the base is converted and
-compressed once and each fused function is a copy of it whose weight blob has the targeted
-tensors' records replaced in place (same sizes, same offsets, the model spec untouched).
+compressed once and each fused function is made from it by replacing the targeted tensors'
+records.
+
+The patched package shares the base's weight blob (a hard link where the filesystem allows one)
+and holds only the replacing records, in a blob file of its own that the spec's references to
+the replaced records now name: an 8B base compressed to 4 bits is 4.5 GB, an adapter's q/k/v/o
+records 0.7 GB of it, and a copy per function would fill the disk. Such a package (a part) is
+read by the merge, which writes one blob, and by coremltools' loader; nothing else reads parts.
 
 A tensor is found by its content: the bytes its base value is stored as, in one of the forms it
 may take (palettized: packed indices + palette; float16), so nothing depends on coremltools'
@@ -16,17 +22,23 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from adapterpack.formats.mlpackage.blob import read_blob_records
+from adapterpack.formats.mlpackage.blob import BlobWriter, record_chunks, record_metadata
+from adapterpack.formats.mlpackage.digest import blob_values
+from adapterpack.formats.mlpackage.spec import MODEL_FOLDER, MODEL_PATH_PREFIX, SPEC_NAME, load_spec_file
 
 log = logging.getLogger(__name__)
 
 WEIGHTS = "Data/com.apple.CoreML/weights/weight.bin"
+
+# Blob files of replacing records are named "patched-N.bin" in the package's weights folder.
+PATCH_BLOB_PREFIX = "patched-"
 
 # One stored form of a tensor: the records it occupies, as (blob dtype, base bytes, new bytes).
 Encoding = list[tuple[str, bytes | memoryview, bytes | memoryview]]
@@ -54,46 +66,112 @@ def _digest(data: bytes | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+# A record as the spec names it: (BlobFileValue.fileName, offset of its metadata block).
+Place = tuple[str, int]
+
+
+def link_or_copy(source: str | Path, destination: str | Path) -> None:
+    """A hard link where the filesystem allows one (blobs and parts are never modified in
+    place), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
 def patch_weights(source: Path, destination: Path, changes: list[TensorChange]) -> bool:
-    """Copy ``source`` to ``destination`` with every change applied.
+    """Write ``destination``: ``source`` with every change applied, sharing ``source``'s blobs.
 
     Returns False (and leaves no ``destination``) when some change has no form whose base
-    records are each stored exactly once in ``source``.
+    records the program reads each from exactly one place.
     """
+    spec = load_spec_file(source.joinpath(*MODEL_FOLDER, SPEC_NAME))
+    replacements = _replacements(source, spec, changes)
     if destination.exists():
         shutil.rmtree(destination)
-    shutil.copytree(source, destination)
+    if replacements is None:
+        log.debug("a changed weight is not stored exactly once in any expected form: building instead")
+        return False
     try:
-        if _patch_in_place(destination, changes):
-            return True
-    except Exception:
+        _write_patched(source, destination, spec, replacements)
+    except BaseException:
         shutil.rmtree(destination, ignore_errors=True)
         raise
-    shutil.rmtree(destination, ignore_errors=True)
-    return False
+    return True
 
 
-def _patch_in_place(package: Path, changes: list[TensorChange]) -> bool:
+def blob_file(package: Path, file_name: str) -> Path:
+    """The file a BlobFileValue's ``fileName`` (``@model_path/weights/...``) names in ``package``."""
+    return package.joinpath(*MODEL_FOLDER, file_name.removeprefix(MODEL_PATH_PREFIX))
+
+
+def _places(spec) -> set[Place]:
+    return {(value.fileName, value.offset) for function in spec.mlProgram.functions.values() for value in blob_values(function)}
+
+
+def _replacements(package: Path, spec, changes: list[TensorChange]) -> dict[Place, bytes | memoryview] | None:
+    """{place of a base record: its new bytes} for every change, or None when one is not found."""
     wanted = {(dtype, len(old)) for change in changes for encoding in change.encodings for dtype, old, _ in encoding}
-    records = [r for r in read_blob_records(package, WEIGHTS) if (r.dtype, r.size) in wanted]
-    blob = package / WEIGHTS
-    by_content: dict[tuple[str, bytes], list[int]] = {}
-    with blob.open("rb") as handle:
-        for record in records:
-            handle.seek(record.data_offset)
-            by_content.setdefault((record.dtype, _digest(handle.read(record.size))), []).append(record.data_offset)
-    writes: list[tuple[int, bytes]] = []
+    by_content: dict[tuple[str, bytes], list[Place]] = {}
+    handles = {}
+    try:
+        for place in sorted(_places(spec)):
+            file_name, offset = place
+            if file_name not in handles:
+                handles[file_name] = blob_file(package, file_name).open("rb")
+            _, dtype, data_offset, size = record_metadata(handles[file_name], offset)
+            if (dtype, size) not in wanted:
+                continue
+            digest = hashlib.sha256()
+            for chunk in record_chunks(handles[file_name], data_offset, size):
+                digest.update(chunk)
+            by_content.setdefault((dtype, digest.digest()), []).append(place)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    replacements: dict[Place, bytes | memoryview] = {}
     for change in changes:
         for encoding in change.encodings:
-            places = [by_content.get((dtype, _digest(old)), []) for dtype, old, new in encoding]
-            if all(len(found) == 1 and len(old) == len(new) for found, (_, old, new) in zip(places, encoding)):
-                writes.extend((found[0], new) for found, (_, _, new) in zip(places, encoding))
+            found = [by_content.get((dtype, _digest(old)), []) for dtype, old, _ in encoding]
+            if all(len(places) == 1 and len(old) == len(new) for places, (_, old, new) in zip(found, encoding)):
+                for (place,), (_, _, new) in zip(found, encoding):
+                    if place in replacements and bytes(replacements[place]) != bytes(new):
+                        return None  # two changes claim one record with different values
+                    replacements[place] = new
                 break
         else:
-            log.debug("a changed weight is not stored exactly once in any expected form: building instead")
-            return False
-    with blob.open("r+b") as handle:
-        for offset, data in writes:
-            handle.seek(offset)
-            handle.write(data)
-    return True
+            return None
+    return replacements
+
+
+def _write_patched(source: Path, destination: Path, spec, replacements: dict[Place, bytes | memoryview]) -> None:
+    """``destination``: ``source``'s files (its blobs linked), a new blob of the replacing
+    records, and the spec naming them where it named the records they replace."""
+    spec_file = source.joinpath(*MODEL_FOLDER, SPEC_NAME)
+    weights = source.joinpath(*MODEL_FOLDER, "weights")
+    for path in sorted(source.rglob("*")):
+        target = destination / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path != spec_file:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (link_or_copy if path.parent == weights else shutil.copy2)(path, target)
+    index = 1
+    while (weights / f"{PATCH_BLOB_PREFIX}{index}.bin").exists():
+        index += 1
+    name = f"{PATCH_BLOB_PREFIX}{index}.bin"
+    file_name = f"{MODEL_PATH_PREFIX}weights/{name}"
+    moved: dict[Place, int] = {}
+    blob_folder = destination.joinpath(*MODEL_FOLDER, "weights")
+    blob_folder.mkdir(parents=True, exist_ok=True)
+    with BlobWriter(blob_folder / name) as blob:
+        for place in sorted(replacements):
+            with blob_file(source, place[0]).open("rb") as handle:
+                metadata = record_metadata(handle, place[1])[0]
+            moved[place] = blob.write_like(metadata, replacements[place])
+    for function in spec.mlProgram.functions.values():
+        for value in blob_values(function):
+            offset = moved.get((value.fileName, value.offset))
+            if offset is not None:
+                value.fileName, value.offset = file_name, offset
+    destination.joinpath(*MODEL_FOLDER, SPEC_NAME).write_bytes(spec.SerializeToString(deterministic=True))
