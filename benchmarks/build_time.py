@@ -14,6 +14,7 @@ peak RSS, package sizes and ratios, and the rebuild after one adapter changed (w
     .venv/bin/python benchmarks/build_time.py --shape 25m 1b 3b --baseline-shapes 25m --verify-package --keep
     .venv/bin/python benchmarks/build_time.py --shape 1b 3b --skip-baseline --verify-package --verify-previous
     .venv/bin/python benchmarks/build_time.py --shape 1b --skip-baseline --disk-previous    # peak disk, before and after
+    .venv/bin/python benchmarks/build_time.py --shape 3b --skip-baseline --parts-previous   # parts sharing the base's blob
 
 Shapes: 25m (a small Llama), and the published Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B
 shapes with random float16 weights (made once under ``--work``). Each build runs in its own
@@ -330,6 +331,31 @@ from adapterpack.cli.app import main
 sys.argv[0] = "adapterpack"
 main()
 """
+# The build with each fused function's part a whole copy of the compressed base, its own
+# records written over the base's in place (the parts' way before they shared the base's blob).
+PREVIOUS_PARTS = """
+import shutil, sys
+import adapterpack.assemble.builder as builder
+import adapterpack.formats.mlpackage.weight_patch as patch
+
+def patched_copy(source, destination, changes):
+    replacements = patch._replacements(source, patch.load_spec_file(source.joinpath(*patch.MODEL_FOLDER, patch.SPEC_NAME)), changes)
+    if destination.exists():
+        shutil.rmtree(destination)
+    if replacements is None:
+        return False
+    shutil.copytree(source, destination)
+    for (file_name, offset), data in replacements.items():
+        with patch.blob_file(destination, file_name).open("r+b") as handle:
+            handle.seek(patch.record_metadata(handle, offset)[2])
+            handle.write(data)
+    return True
+
+builder.patch_weights = patched_copy
+from adapterpack.cli.app import main
+sys.argv[0] = "adapterpack"
+main()
+"""
 PREVIOUS_VERIFY = (
     "import sys; import adapterpack.verify.executor.linalg as linalg; linalg.FLOAT16_PRODUCTS_IN_TORCH = False;"
     "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
@@ -365,6 +391,13 @@ def run_shape(args, shape: str) -> dict:
         figures["peak_disk_ratio"] = round(ours_peak / before, 3) if before else None
         base_gib = sum(p.stat().st_size for p in (root / "base").glob("*.safetensors")) / 2**30
         figures["peak_disk_over_package_and_base"] = round(ours_peak / (figures["adapterpack_bytes"] / 2**30 + base_gib), 3)
+    if args.parts_previous:  # the same build with whole-copy parts (PREVIOUS_PARTS)
+        previous = full_and_rebuild(root, manifest, root / "out" / "previous.mlpackage", verify=False,
+                                    launcher=[PYTHON, "-c", PREVIOUS_PARTS], tag="_whole_parts")
+        figures.update(previous)
+        ours_peak, before = figures["adapterpack_full"]["peak_disk_gib"], previous["adapterpack_full_whole_parts"]["peak_disk_gib"]
+        figures["peak_disk_ratio_to_whole_parts"] = round(ours_peak / before, 3) if before else None
+        figures["cache_ratio_to_whole_parts"] = round(figures["adapterpack_full"]["cache_gib"] / previous["adapterpack_full_whole_parts"]["cache_gib"], 3)
     if args.with_verify:  # the default build verifies every function; unchanged ones keep their verdict
         figures.update(full_and_rebuild(root, manifest, root / "out" / "verified.mlpackage", verify=True))
     if args.keep:
@@ -403,6 +436,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="also time full and rebuild with lora: keep")
     parser.add_argument("--disk-previous", action="store_true",
                         help="also build with the disk use of before (PREVIOUS_DISK): peak disk side by side")
+    parser.add_argument("--parts-previous", action="store_true",
+                        help="also build with whole-copy parts (PREVIOUS_PARTS): peak disk and cache side by side")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 

@@ -165,6 +165,31 @@ def test_two_builds_share_one_cache_at_once(project, tmp_path):
     assert not list(cache.glob(".trash-*")) and not list(cache.glob("*/.incoming-*"))
 
 
+def test_fused_parts_share_the_base_blob_on_disk_and_are_hashed_once(clean, monkeypatch):
+    """A fused function's cached part links the compressed base's blob: the cache holds that
+    blob once, `cache info` counts it once, and re-checking the parts reads it once."""
+    import adapterpack.assemble.cache as cache_module
+
+    _, cache = clean
+    blob = Path("part.mlpackage/Data/com.apple.CoreML/weights/weight.bin")
+    chat, base = part_of(cache, "chat") / blob, part_of(cache, "base") / blob
+    assert chat.stat().st_ino == base.stat().st_ino  # the base function's part is the compressed base
+    own = part_of(cache, "chat") / blob.parent / "patched-1.bin"
+    assert 0 < own.stat().st_size < chat.stat().st_size / 2  # its q/v records only
+    stored = {}
+    for f in cache.rglob("*"):
+        if f.is_file() and f.name != ENTRY_FILE:
+            stored[f.stat().st_ino] = f.stat().st_size
+    recorded = sum(e.size for kind in ("parts", "bases", "palettes", "checks", "verdicts") for e in BuildCache(cache).entries([kind]))
+    listing = json.loads(run_cli("cache", "info", cache, "--json").stdout)
+    assert listing["bytes"] == sum(stored.values()) < recorded
+    hashed = []
+    monkeypatch.setattr(cache_module, "file_digests", lambda path: hashed.append(path.name) or file_digests(path))
+    keys = [json.loads((e / ENTRY_FILE).read_text())["key"] for e in entries(cache, "parts")]
+    assert len(BuildCache(cache).parts(keys)) == len(keys) == 3
+    assert hashed.count("weight.bin") == 1 and hashed.count("patched-1.bin") == 2
+
+
 def test_cache_commands(project, clean, tmp_path):
     _, cache = clean
     copy = tmp_path / "cache"

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections import Counter
@@ -99,6 +100,20 @@ def file_digests(path: Path) -> list[str]:
             return list(pool.map(piece, pieces))
 
 
+def _file_digests_once(path: Path, hashed: dict | None) -> list[str]:
+    """``file_digests``, remembered in ``hashed`` by the file's identity and change time (a file
+    linked into several entries is one file)."""
+    if hashed is None:
+        return file_digests(path)
+    stat = path.stat()
+    identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    # entries are checked side by side: the second to reach a shared file waits for the first
+    with hashed.setdefault(("lock", identity), threading.Lock()):
+        if identity not in hashed:
+            hashed[identity] = file_digests(path)
+    return hashed[identity]
+
+
 def _piece_digests(data: bytes) -> list[str]:
     """``file_digests`` of bytes in memory."""
     view = memoryview(data)
@@ -150,8 +165,10 @@ class Entry:
             found[stat.st_dev, stat.st_ino] = stat.st_size
         return found
 
-    def problem(self, *, sizes_only: bool = False) -> str | None:
-        """Why the files on disk are not the ones recorded (None when they are)."""
+    def problem(self, *, sizes_only: bool = False, hashed: dict | None = None) -> str | None:
+        """Why the files on disk are not the ones recorded (None when they are). ``hashed``:
+        digests already computed by this process, by file identity (a fused part's blob is the
+        compressed base's, linked: read once, not once per entry)."""
         present = {f.relative_to(self.folder).as_posix(): f for f in _payload_files(self.folder)}
         missing = sorted(set(self.files) - set(present))
         if missing:
@@ -166,7 +183,7 @@ class Entry:
             return None
         names = sorted(self.files)
         with ThreadPoolExecutor(HASH_WORKERS) as pool:
-            hashes = list(pool.map(lambda n: file_digests(present[n]), names))
+            hashes = list(pool.map(lambda n: _file_digests_once(present[n], hashed), names))
         for name, found in zip(names, hashes):
             recorded = self.files[name][1]
             if found != recorded:
@@ -193,6 +210,7 @@ class BuildCache:
     def __init__(self, folder: Path, warn: Callable[[str], None] | None = None):
         self.folder = Path(folder)
         self.warn = warn or log.warning
+        self._hashed: dict = {}  # file identity -> digests this process computed (Entry.problem)
 
     # -- entries ---------------------------------------------------------------------------
 
@@ -236,9 +254,9 @@ class BuildCache:
             found[key] = entry
         if len(found) > 1:
             with ThreadPoolExecutor(HASH_WORKERS) as pool:
-                problems = dict(zip(found, pool.map(lambda e: e.problem(), found.values())))
+                problems = dict(zip(found, pool.map(lambda e: e.problem(hashed=self._hashed), found.values())))
         else:
-            problems = {key: entry.problem() for key, entry in found.items()}
+            problems = {key: entry.problem(hashed=self._hashed) for key, entry in found.items()}
         return {key: entry.folder for key, entry in found.items() if self._accept(entry, problems[key])}
 
     def _accept(self, entry: Entry, problem: str | None) -> bool:
@@ -318,7 +336,7 @@ class BuildCache:
                 self.drop(entry)
                 damaged += 1
                 continue
-            problem = entry.problem()
+            problem = entry.problem(hashed=self._hashed)
             if problem is None:
                 intact += 1
                 continue
