@@ -73,6 +73,7 @@ def test_patched_package_shares_the_base_blob_and_holds_only_the_new_records(tem
     writes one blob whose function is the patched one."""
     from adapterpack.formats.mlpackage.digest import function_digests
     from adapterpack.formats.mlpackage.merge import merge_functions
+    from adapterpack.formats.mlpackage.weight_patch import unread_bytes
 
     path, w1, w2 = template
     before = (path / WEIGHTS).read_bytes()
@@ -84,6 +85,8 @@ def test_patched_package_shares_the_base_blob_and_holds_only_the_new_records(tem
     own = sorted(p.name for p in (patched / WEIGHTS).parent.iterdir())
     assert own == ["patched-1.bin", "weight.bin"]
     assert (patched / WEIGHTS).parent.joinpath("patched-1.bin").stat().st_size == 64 + 64 + new.nbytes
+    # the record it replaced is the one the linked blob holds unread (a part's own size leaves it out)
+    assert unread_bytes(path) == 0 and unread_bytes(patched) == 64 + w2.nbytes
     # patching a patched package adds a second blob and still shares the first two
     newer = (w1.astype(np.float32) * 2).astype(np.float16)
     twice = tmp_path / "twice.mlpackage"

@@ -179,10 +179,11 @@ class _PartBuilder:
 
     The base is traced and converted once (the template) and compressed once per compression
     setting (the compressed template). The base function is the compressed template; a fused
-    function is a copy of it with the records of the weights its adapter changes replaced
-    (``mlpackage.weight_patch``): its fused weights are computed from the targeted tensors alone
+    function is the template with the records of the weights its adapter changes replaced
+    (``mlpackage.weight_patch``: the template's blob linked, the new records in a blob of their
+    own): its fused weights are computed from the targeted tensors alone
     (``lora.fused_weight_changes``) and palettized like the rest, so neither the torch base nor
-    the whole program is loaded for it. Keep-mode functions (a different graph) and anything the
+    the whole program is loaded for it, nor the template's weights copied. Keep-mode functions (a different graph) and anything the
     patch cannot match exactly are converted and compressed on their own.
 
     Memory: the float16 torch base is loaded only to trace, and dropped before coremltools
@@ -441,6 +442,14 @@ def merge_parts(parts: list[Part], destination: Path) -> dict[str, str]:
         metadata=metadata,
         description=description,
     )
+
+
+def part_size(path: Path) -> int:
+    """Bytes of a part's function alone: its package without the records it does not read (a
+    fused part links the compressed base's blob, whose records it replaced are there still)."""
+    from adapterpack.formats.mlpackage.weight_patch import unread_bytes
+
+    return folder_size(path) - unread_bytes(path)
 
 
 def folder_size(path: Path) -> int:

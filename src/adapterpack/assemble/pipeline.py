@@ -18,6 +18,7 @@ from adapterpack.assemble.builder import (
     build_parts,
     folder_size,
     merge_parts,
+    part_size,
     templates_for,
 )
 from adapterpack.assemble.cache import BuildCache
@@ -120,7 +121,7 @@ def _write_in_parts(plan: Plan, staged: Path, options: BuildOptions, reporter: R
     return Written(
         functions=[record.provenance() for record, _ in parts],
         parts=parts,
-        part_sizes={record.function: folder_size(path) for record, path in parts},
+        part_sizes={record.function: part_size(path) for record, path in parts},
         reused=reused,
         digests=digests,
     )
@@ -303,6 +304,6 @@ def merge_from_parts(
     written = Written(
         functions=[record.provenance() for record, _ in parts],
         parts=parts,
-        part_sizes={record.function: folder_size(path) for record, path in parts},
+        part_sizes={record.function: part_size(path) for record, path in parts},
     )
     return _result(package_format, destination, checked.manifest if checked else None, written, report, started)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapterpack.formats.mlpackage.blob import BlobWriter, record_chunks, record_metadata
+from adapterpack.formats.mlpackage.blob import BlobWriter, read_blob_records, record_chunks, record_metadata
 from adapterpack.formats.mlpackage.digest import blob_values
 from adapterpack.formats.mlpackage.spec import MODEL_FOLDER, MODEL_PATH_PREFIX, SPEC_NAME, load_spec_file
 
@@ -175,3 +175,17 @@ def _write_patched(source: Path, destination: Path, spec, replacements: dict[Pla
             if offset is not None:
                 value.fileName, value.offset = file_name, offset
     destination.joinpath(*MODEL_FOLDER, SPEC_NAME).write_bytes(spec.SerializeToString(deterministic=True))
+
+
+def unread_bytes(package: Path) -> int:
+    """Bytes of the weight records in ``package``'s blobs that its program does not read: in a
+    patched part, the base's records it replaced (its linked blob holds them still)."""
+    places = _places(load_spec_file(package.joinpath(*MODEL_FOLDER, SPEC_NAME)))
+    weights = package.joinpath(*MODEL_FOLDER, "weights")
+    unread = 0
+    for blob in sorted(weights.glob("*.bin")) if weights.is_dir() else []:
+        file_name = f"{MODEL_PATH_PREFIX}weights/{blob.name}"
+        for record in read_blob_records(package, blob.relative_to(package).as_posix()):
+            if (file_name, record.offset) not in places:
+                unread += record.size + record.overhead
+    return unread
