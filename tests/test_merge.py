@@ -3,6 +3,7 @@ compressing every function whole."""
 
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -142,6 +143,28 @@ def test_merge_names_a_truncated_part(parts, tmp_path):
     blob = broken / "Data/com.apple.CoreML/weights/weight.bin"
     blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
     with pytest.raises(BadInput, match="weight.bin"):
+        merge_functions({**parts, "chat": broken}, default_function="code",
+                        destination=tmp_path / "out.mlpackage", metadata={}, description="d")
+
+
+@pytest.mark.parametrize(
+    "named, says",
+    [("@model_path/weights/../../../escape.bin", "not in @model_path/weights/"), ("@model_path/weights/patched-9.bin", "does not hold")],
+)
+def test_merge_refuses_a_part_naming_a_blob_it_does_not_hold(parts, tmp_path, named, says):
+    """A fused part's spec names its own blob besides the base's: a name outside its weights
+    folder, or a blob it lacks (an artifact upload that lost a file), is bad input naming it."""
+    import shutil
+
+    from adapterpack.formats.mlpackage.digest import blob_values
+    from adapterpack.formats.mlpackage.spec import spec_path
+
+    broken = tmp_path / "chat.mlpackage"
+    shutil.copytree(parts["chat"], broken)
+    spec = read_spec(broken)
+    next(blob_values(spec.mlProgram.functions["main"])).fileName = named
+    spec_path(broken).write_bytes(spec.SerializeToString())
+    with pytest.raises(BadInput, match=f"{re.escape(str(broken))}.*{re.escape(named)}.*{re.escape(says)}"):
         merge_functions({**parts, "chat": broken}, default_function="code",
                         destination=tmp_path / "out.mlpackage", metadata={}, description="d")
 
