@@ -29,6 +29,7 @@ from adapterpack.formats.metadata import METADATA_PREFIX
 from adapterpack.formats.mlpackage.blob import ALIGNMENT, HEADER_BYTES, METADATA_BYTES, record_chunks, record_identity
 from adapterpack.formats.mlpackage.digest import blob_values, function_digest, top_level_description, weights_digest
 from adapterpack.formats.mlpackage.spec import MODEL_FOLDER, MODEL_PATH_PREFIX, SPEC_NAME, load_spec_file
+from adapterpack.formats.mlpackage.weight_patch import blob_file
 from adapterpack.quiet import import_coremltools
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,9 @@ def merge_functions(
                 for value in blob_values(function):
                     place = (value.fileName, value.offset)
                     if value.fileName not in sources:
-                        sources[value.fileName] = files.enter_context(_part_blob(package, value.fileName).open("rb"))
+                        sources[value.fileName] = files.enter_context(blob_file(package, value.fileName).open("rb"))
                     if place not in placed:
-                        placed[place] = blob.copy(sources[value.fileName], value.offset, str(_part_blob(package, value.fileName)))
+                        placed[place] = blob.copy(sources[value.fileName], value.offset, str(blob_file(package, value.fileName)))
             declared = top_level_description(spec, name)
             digests[name] = function_digest(function, declared, {place: key for place, (_, key) in placed.items()})
             for value in blob_values(function):
@@ -142,19 +143,6 @@ def merge_functions(
     (model_folder / SPEC_NAME).write_bytes(merged.SerializeToString(deterministic=True))
     write_package_manifest(destination)
     return digests
-
-
-def _part_blob(package: Path, file_name: str) -> Path:
-    """The blob file of a part that a BlobFileValue names: the base's ``weight.bin``, or one of
-    replacing records (``mlpackage.weight_patch``); BadInput for a name outside its weights."""
-    prefix = MODEL_PATH_PREFIX + "weights/"
-    name = file_name.removeprefix(prefix)
-    if not file_name.startswith(prefix) or not name or "/" in name or name.startswith("."):
-        raise BadInput(f"{package}: a weight lives in {file_name}, not in {prefix}")
-    path = package.joinpath(*MODEL_FOLDER, "weights", name)
-    if not path.is_file():
-        raise BadInput(f"{package}: its weights name {file_name}, which it does not hold")
-    return path
 
 
 def _only_function(spec, package: Path):

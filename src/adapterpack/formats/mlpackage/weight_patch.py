@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adapterpack.errors import BadInput
 from adapterpack.formats.mlpackage.blob import BlobWriter, read_blob_records, record_chunks, record_metadata
 from adapterpack.formats.mlpackage.digest import blob_values
 from adapterpack.formats.mlpackage.spec import MODEL_FOLDER, MODEL_PATH_PREFIX, SPEC_NAME, load_spec_file
@@ -101,8 +102,17 @@ def patch_weights(source: Path, destination: Path, changes: list[TensorChange]) 
 
 
 def blob_file(package: Path, file_name: str) -> Path:
-    """The file a BlobFileValue's ``fileName`` (``@model_path/weights/...``) names in ``package``."""
-    return package.joinpath(*MODEL_FOLDER, file_name.removeprefix(MODEL_PATH_PREFIX))
+    """The file a BlobFileValue's ``fileName`` names in ``package``: the base's ``weight.bin`` or
+    a blob of replacing records, in its weights folder. A part may come from another job (CI
+    fan-out): BadInput for a name outside that folder or a file the package lacks."""
+    prefix = MODEL_PATH_PREFIX + "weights/"
+    name = file_name.removeprefix(prefix)
+    if not file_name.startswith(prefix) or not name or "/" in name or name.startswith("."):
+        raise BadInput(f"{package}: a weight lives in {file_name}, not in {prefix}")
+    path = package.joinpath(*MODEL_FOLDER, "weights", name)
+    if not path.is_file():
+        raise BadInput(f"{package}: its weights name {file_name}, which it does not hold")
+    return path
 
 
 def _places(spec) -> set[Place]:
