@@ -16,7 +16,7 @@ from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.manifest import load_manifest
 from adapterpack.verify.metrics import compare_logits, retention
 from adapterpack.verify.package import verify_package
-from factories import make_adapter, make_base, run_cli
+from factories import make_adapter, make_base, make_project, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +275,77 @@ def test_reference_computed_layer_by_layer_equals_the_float32_model(family_build
     if widened == "in parts":
         assert any(isinstance(m, torch.nn.Embedding) for m in parts) and any(isinstance(m, torch.nn.Linear) for m in parts)
         assert all("forward" not in vars(m) for m in parts)  # each module's own forward again
+
+
+SIDE_BY_SIDE_MANIFEST = """name: rows
+base: {path: base}
+include_base: base
+export: {max_context: 24}
+compression: {method: none}
+adapters:
+  - {name: attn, path: attn}
+  - {name: mlp, path: mlp, scale: 0.5}
+  - {name: wide, path: wide}
+  - {name: dora, path: dora}
+  - {name: saved, path: saved}
+"""
+SIDE_BY_SIDE_ADAPTERS = {
+    "attn": dict(std=0.1),
+    "mlp": dict(std=0.1, seed=3, targets=("gate_proj", "up_proj", "down_proj"), r=8, alpha=32),
+    "wide": dict(std=0.1, seed=5, targets=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"), r=2, use_rslora=True),
+    "dora": dict(std=0.1, seed=7, use_dora=True),
+    "saved": dict(std=0.1, seed=9, modules_to_save=["lm_head"]),
+}
+
+
+@pytest.mark.parametrize("rows_per_pass", [16, 2])
+def test_references_side_by_side_equal_each_adapter_alone(tmp_path_factory, monkeypatch, rows_per_pass):
+    """The base and the adapters peft can mix run in one batch, a row each, so the base's weights
+    are read once per pass, not once per function; each row must be that adapter's logits alone
+    (peft, unmerged, float32), the manifest's scale included, and DoRA and modules_to_save
+    adapters, which peft does not mix, still run (alone)."""
+    import torch
+
+    from adapterpack.convert.base_model import load_base
+    from adapterpack.convert.lora import applied_adapter
+    from adapterpack.inputs.checked import check_inputs
+    from adapterpack.verify import reference
+
+    root = make_project(tmp_path_factory.mktemp("rows"), SIDE_BY_SIDE_MANIFEST, SIDE_BY_SIDE_ADAPTERS)
+    checked = check_inputs(root / "m.yaml")
+    monkeypatch.setattr(reference, "ROWS_PER_PASS", rows_per_pass)
+    passes = []
+    embedding = torch.nn.Embedding.forward
+    monkeypatch.setattr(torch.nn.Embedding, "forward", lambda self, ids: passes.append(ids.shape[0]) or embedding(self, ids))
+    tokens, base_logits, adapter_logits = reference.reference_logits(checked, checked.manifest.function_names)
+    # one pass for the base and the three mixable adapters (or one per adapter, beside the base
+    # row, at two rows a pass), then DoRA and modules_to_save alone
+    assert passes == ([4, 1, 1] if rows_per_pass == 16 else [2, 2, 2, 1, 1])
+    assert sorted(adapter_logits) == ["attn", "dora", "mlp", "saved", "wide"]
+    monkeypatch.setattr(torch.nn.Embedding, "forward", embedding)
+    ids = torch.from_numpy(tokens[None, :])
+    full = load_base(checked.base.folder)
+    with torch.no_grad():
+        np.testing.assert_allclose(base_logits, full(ids).logits[0].numpy(), rtol=0, atol=2e-6)
+        for name, logits in adapter_logits.items():
+            adapter = checked.manifest.adapter(name)
+            with applied_adapter(full, checked.adapters[name].folder, mode="unmerged", scale=float(adapter.scale)) as model:
+                expected = model(ids).logits[0].numpy()
+            np.testing.assert_allclose(logits, expected, rtol=0, atol=2e-6, err_msg=name)
+            assert np.abs(logits - base_logits).max() > 1e-3, f"{name}: the adapter moved nothing"
+    # the base is left as it was: its own weights and modules, no adapter bookkeeping
+    from peft.tuners.lora import LoraLayer
+
+    from adapterpack.convert.lora import applied_side_by_side
+
+    before = {name: value.clone() for name, value in full.state_dict().items()}
+    group = {name: (checked.adapters[name].folder, 1.0) for name in ("attn", "wide")}
+    with applied_side_by_side(full, group) as (model, named):
+        assert sorted(named) == ["attn", "wide"] and any(isinstance(m, LoraLayer) for m in model.modules())
+    assert not any(isinstance(m, LoraLayer) for m in full.modules())
+    assert not any(name in vars(full) for name in ("peft_config", "_hf_peft_config_loaded"))
+    after = full.state_dict()
+    assert sorted(after) == sorted(before) and all(torch.equal(after[name], value) for name, value in before.items())
 
 
 def test_a_palettized_weight_s_indices_are_gone_once_folded(demo):

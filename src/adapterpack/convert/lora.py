@@ -145,13 +145,65 @@ def applied_adapter(
                     modules[module].weight.copy_(weight)
         else:
             peft_model.unload()
-        # peft leaves its bookkeeping on the base; the next adapter must start from a clean model.
-        for attribute in ("peft_config", "_hf_peft_config_loaded"):
-            if hasattr(base, attribute):
-                try:
-                    delattr(base, attribute)
-                except AttributeError:
-                    pass
+        _forget_peft(base)
+
+
+def _forget_peft(base: torch.nn.Module) -> None:
+    # peft leaves its bookkeeping on the base; the next adapter must start from a clean model.
+    for attribute in ("peft_config", "_hf_peft_config_loaded"):
+        if hasattr(base, attribute):
+            try:
+                delattr(base, attribute)
+            except AttributeError:
+                pass
+
+
+# The batch row of ``applied_side_by_side`` that runs the base alone (peft's own name for it).
+BASE_ROW = "__base__"
+
+
+@contextmanager
+def applied_side_by_side(base: torch.nn.Module, adapters: dict[str, tuple[Path, float]]) -> Iterator[tuple[torch.nn.Module, dict[str, str]]]:
+    """Yield (a model: ``base`` with every adapter of ``adapters`` ({function: (folder, scale)})
+    loaded unmerged beside the others, {function: its adapter's name in peft}); restore ``base``
+    on exit. Call the model with ``adapter_names``: one name per batch row.
+
+    One forward then runs every adapter and the base at once, each batch row under its own
+    (peft's mixed-batch ``adapter_names``, with ``BASE_ROW`` for the base): the base's weights
+    are read once for all of them. peft computes each row as the adapter alone would (the base
+    layer over the whole batch, each adapter's branch over its rows). Not for DoRA, which peft
+    refuses to mix, nor ``modules_to_save``, whose whole-module copies would all be held at once.
+    """
+    from peft import PeftModel
+
+    # peft's names are ours, not the functions': a function may be called "__base__" or "default"
+    named = {function: f"adapter_{index}" for index, function in enumerate(adapters)}
+    peft_model = None
+    try:
+        for function, (folder, _) in adapters.items():
+            config = peft_config(folder)
+            try:
+                if peft_model is None:
+                    peft_model = PeftModel.from_pretrained(
+                        base, str(folder), adapter_name=named[function], is_trainable=False, config=config
+                    )
+                else:
+                    peft_model.load_adapter(str(folder), adapter_name=named[function], is_trainable=False)
+            except (ValueError, KeyError, RuntimeError) as error:
+                raise BadInput(f"{folder}: peft cannot apply this adapter to the base: {error}") from None
+        if peft_model is None:
+            yield base, {}
+            return
+        peft_model.eval()
+        for _, layer in _lora_layers(peft_model):
+            for function, (_, scale) in adapters.items():
+                if named[function] in layer.scaling and scale != 1.0:
+                    layer.scaling[named[function]] *= scale  # peft's scale_layer, for one adapter of several
+        yield peft_model, named
+    finally:
+        if peft_model is not None:
+            peft_model.unload()
+        _forget_peft(base)
 
 
 def fused_weight_changes(

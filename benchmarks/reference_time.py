@@ -1,0 +1,94 @@
+"""Verify's PyTorch references: the base and each adapter one forward at a time, against all of
+them side by side in one batch.
+
+Before any function runs, verify computes the logits of the float32 base and of the base with
+each adapter applied by peft (unmerged) on its seeded tokens (``verify.reference``). The base
+stays at its stored precision and each module's weights are widened to float32 while it runs,
+so every forward reads and widens every weight of the model. One at a time (how verify did it),
+that is one pass over the weights per function; side by side (what verify does now), the base
+and the adapters peft can mix are batch rows of one forward, one pass for all of them. Same
+inputs as ``build_time.py`` (4 LoRA adapters, r 16 on q/k/v/o, random float16 weights of the
+published shapes, made once under ``--work``); each way runs in a fresh process, alternately,
+``--repeat`` times; the report gives seconds, peak RSS, the ratio, and the largest difference
+between the two ways' logits.
+
+    .venv/bin/python benchmarks/reference_time.py --shape 1b 3b      # about 12 minutes here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_time import PYTHON, SHAPES, machine, make_inputs  # noqa: E402
+
+# One way, in its own process: seconds and peak RSS of ``reference_logits``, logits saved.
+RUN = r"""
+import json, resource, sys, time
+from pathlib import Path
+import numpy as np
+from adapterpack.inputs.checked import check_inputs
+import adapterpack.verify.reference as reference
+if sys.argv[2] == "one_at_a_time":  # every adapter on its own forward, as verify did
+    reference._mixes = lambda info: False
+checked = check_inputs(Path(sys.argv[1]))
+started = time.perf_counter()
+tokens, base, adapters = reference.reference_logits(checked, checked.manifest.function_names)
+seconds = time.perf_counter() - started
+np.savez(sys.argv[3], base=base, **adapters)
+print(json.dumps({"seconds": round(seconds, 1), "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+"""
+WAYS = ("one_at_a_time", "side_by_side")
+
+
+def run_shape(args, shape: str) -> dict:
+    root = args.work / shape
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = make_inputs(root, shape)
+    figures: dict = {"shape": shape, **{way: [] for way in WAYS}}
+    with tempfile.TemporaryDirectory() as scratch:
+        logits = {}
+        for _ in range(args.repeat):
+            for way in WAYS:
+                saved = Path(scratch) / f"{way}.npz"
+                done = subprocess.run([PYTHON, "-c", RUN, str(manifest), way, str(saved)], capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    sys.exit(f"{shape} {way} failed:\n{done.stderr[-3000:]}")
+                figures[way].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(shape, way, figures[way][-1], flush=True)
+                logits[way] = dict(np.load(saved))
+        first, second = (logits[way] for way in WAYS)
+        figures["largest_logit_difference"] = float(max(np.abs(first[k] - second[k]).max() for k in first))
+    best = {way: min(run["seconds"] for run in figures[way]) for way in WAYS}
+    figures["best_seconds"] = best
+    figures["side_by_side_faster"] = round(best["one_at_a_time"] / best["side_by_side"], 2)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["1b"], help="one or more, run in this order")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/adapterpack-bench"))
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each way, alternately")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    report = {"machine": machine(), "runs": []}
+    for shape in args.shape:
+        report["runs"].append(run_shape(args, shape))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+    for run in report["runs"]:
+        best = run["best_seconds"]
+        print(f"{run['shape']}: one at a time {best['one_at_a_time']} s, side by side {best['side_by_side']} s: "
+              f"{run['side_by_side_faster']}x faster; logits differ by at most {run['largest_logit_difference']:.2e}")
+
+
+if __name__ == "__main__":
+    main()
