@@ -1,5 +1,5 @@
-"""Verify's PyTorch references: the base and each adapter one forward at a time, against all of
-them side by side in one batch.
+"""Verify's PyTorch references and the build's range check: the base and each adapter one forward
+at a time, against all of them side by side in one batch.
 
 Before any function runs, verify computes the logits of the float32 base and of the base with
 each adapter applied by peft (unmerged) on its seeded tokens (``verify.reference``). The base
@@ -10,9 +10,11 @@ and the adapters peft can mix are batch rows of one forward, one pass for all of
 inputs as ``build_time.py`` (4 LoRA adapters, r 16 on q/k/v/o, random float16 weights of the
 published shapes, made once under ``--work``); each way runs in a fresh process, alternately,
 ``--repeat`` times; the report gives seconds, peak RSS, the ratio, and the largest difference
-between the two ways' logits.
+between the two ways' logits. The range check a build runs before converting (``verify.ranges``:
+every module's largest value on a 16-token prompt, per function) takes the same passes and is
+timed the same way, its findings compared.
 
-    .venv/bin/python benchmarks/reference_time.py --shape 1b 3b      # about 12 minutes here
+    .venv/bin/python benchmarks/reference_time.py --shape 1b 3b      # about 10 minutes here
 """
 
 from __future__ import annotations
@@ -29,46 +31,66 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_time import PYTHON, SHAPES, machine, make_inputs  # noqa: E402
 
-# One way, in its own process: seconds and peak RSS of ``reference_logits``, logits saved.
+# One way, in its own process: seconds and peak RSS of verify's references (``verify``) or the
+# build's range check (``range``), what they found saved.
 RUN = r"""
-import json, resource, sys, time
+import json, pickle, resource, sys, time
 from pathlib import Path
 import numpy as np
 from adapterpack.inputs.checked import check_inputs
 import adapterpack.verify.reference as reference
-if sys.argv[2] == "one_at_a_time":  # every adapter on its own forward, as verify did
+from adapterpack.verify.ranges import out_of_float16_range
+manifest, way, stage, saved = sys.argv[1:5]
+if way == "one_at_a_time":  # every adapter on its own forward, as before
     reference._mixes = lambda info: False
-checked = check_inputs(Path(sys.argv[1]))
+checked = check_inputs(Path(manifest))
+names = checked.manifest.function_names
 started = time.perf_counter()
-tokens, base, adapters = reference.reference_logits(checked, checked.manifest.function_names)
+if stage == "verify":
+    tokens, base, adapters = reference.reference_logits(checked, names)
+else:
+    found = out_of_float16_range(checked, names)
 seconds = time.perf_counter() - started
-np.savez(sys.argv[3], base=base, **adapters)
+if stage == "verify":
+    np.savez(saved, base=base, **adapters)
+else:
+    Path(saved).write_bytes(pickle.dumps(sorted((f.function, f.tensor, f.largest) for f in found)))
 print(json.dumps({"seconds": round(seconds, 1), "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
 """
 WAYS = ("one_at_a_time", "side_by_side")
+STAGES = ("verify", "range")
 
 
 def run_shape(args, shape: str) -> dict:
+    import pickle
+
     root = args.work / shape
     root.mkdir(parents=True, exist_ok=True)
     manifest = make_inputs(root, shape)
-    figures: dict = {"shape": shape, **{way: [] for way in WAYS}}
+    figures: dict = {"shape": shape}
     with tempfile.TemporaryDirectory() as scratch:
-        logits = {}
-        for _ in range(args.repeat):
-            for way in WAYS:
-                saved = Path(scratch) / f"{way}.npz"
-                done = subprocess.run([PYTHON, "-c", RUN, str(manifest), way, str(saved)], capture_output=True, text=True, check=False)
-                if done.returncode != 0:
-                    sys.exit(f"{shape} {way} failed:\n{done.stderr[-3000:]}")
-                figures[way].append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(shape, way, figures[way][-1], flush=True)
-                logits[way] = dict(np.load(saved))
-        first, second = (logits[way] for way in WAYS)
-        figures["largest_logit_difference"] = float(max(np.abs(first[k] - second[k]).max() for k in first))
-    best = {way: min(run["seconds"] for run in figures[way]) for way in WAYS}
-    figures["best_seconds"] = best
-    figures["side_by_side_faster"] = round(best["one_at_a_time"] / best["side_by_side"], 2)
+        for stage in STAGES:
+            runs: dict = {way: [] for way in WAYS}
+            results = {}
+            for _ in range(args.repeat):
+                for way in WAYS:
+                    saved = Path(scratch) / f"{stage}-{way}"
+                    command = [PYTHON, "-c", RUN, str(manifest), way, stage, str(saved)]
+                    done = subprocess.run(command, capture_output=True, text=True, check=False)
+                    if done.returncode != 0:
+                        sys.exit(f"{shape} {stage} {way} failed:\n{done.stderr[-3000:]}")
+                    runs[way].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    print(shape, stage, way, runs[way][-1], flush=True)
+                    results[way] = dict(np.load(f"{saved}.npz")) if stage == "verify" else pickle.loads(saved.read_bytes())
+            best = {way: min(run["seconds"] for run in runs[way]) for way in WAYS}
+            first, second = (results[way] for way in WAYS)
+            figures[stage] = {
+                **runs,
+                "best_seconds": best,
+                "side_by_side_faster": round(best["one_at_a_time"] / best["side_by_side"], 2),
+                # verify: the largest logit difference; range: whether both found the same
+                "agreement": float(max(np.abs(first[k] - second[k]).max() for k in first)) if stage == "verify" else first == second,
+            }
     return figures
 
 
@@ -85,10 +107,13 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
     for run in report["runs"]:
-        best = run["best_seconds"]
-        print(f"{run['shape']}: one at a time {best['one_at_a_time']} s, side by side {best['side_by_side']} s: "
-              f"{run['side_by_side_faster']}x faster; logits differ by at most {run['largest_logit_difference']:.2e}")
-
+        for stage in STAGES:
+            figures = run[stage]
+            best = figures["best_seconds"]
+            agreement = (f"logits differ by at most {figures['agreement']:.2e}" if stage == "verify"
+                         else "same findings" if figures["agreement"] else "DIFFERENT FINDINGS")
+            print(f"{run['shape']} {stage}: one at a time {best['one_at_a_time']} s, side by side {best['side_by_side']} s: "
+                  f"{figures['side_by_side_faster']}x faster; {agreement}")
 
 if __name__ == "__main__":
     main()

@@ -101,3 +101,28 @@ def test_values_float16_cannot_hold_are_refused_before_conversion(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert "float16" in lines[-1] and "Traceback" not in result.stderr
     assert run_cli("validate", tmp_path / "m.yaml").returncode == 0  # without --range: files only
+
+
+def test_the_range_check_side_by_side_names_the_function_that_overflows(tmp_path, monkeypatch):
+    """The functions' references run as batch rows of one forward; the check must name the one
+    adapter whose LoRA branch passes float16's range, not the base or the adapter beside it, and
+    find exactly what running each function alone finds."""
+    from adapterpack.inputs.checked import check_inputs
+    from adapterpack.verify import reference
+    from adapterpack.verify.ranges import out_of_float16_range
+    from factories import make_base
+
+    make_base(tmp_path / "base", "llama")
+    make_adapter(tmp_path / "quiet", tmp_path / "base", std=0.1)
+    make_adapter(tmp_path / "loud", tmp_path / "base", std=300.0, seed=3, targets=("down_proj",))
+    (tmp_path / "m.yaml").write_text(
+        "name: rows\nbase: {path: base}\ninclude_base: base\nexport: {max_context: 24}\n"
+        "adapters: [{name: quiet, path: quiet}, {name: loud, path: loud}]\n"
+    )
+    checked = check_inputs(tmp_path / "m.yaml")
+    found = out_of_float16_range(checked, checked.manifest.function_names)
+    assert found and {f.function for f in found} == {"loud"}, found
+    assert any(f.tensor.endswith("down_proj.lora_B.default (output)") for f in found), found
+    monkeypatch.setattr(reference, "_mixes", lambda info: False)  # every function on its own
+    alone = out_of_float16_range(checked, checked.manifest.function_names)
+    assert sorted((f.function, f.tensor, f.largest) for f in found) == sorted((f.function, f.tensor, f.largest) for f in alone)

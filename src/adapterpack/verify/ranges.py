@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from adapterpack.errors import BadInput
 from adapterpack.inputs.float16 import FLOAT16_MAX
 from adapterpack.verify.drives import verification_tokens
-from adapterpack.verify.reference import computed_in_float32, stored_dtype
+from adapterpack.verify.reference import computed_in_float32, reference_passes, stored_dtype
 
 log = logging.getLogger(__name__)
 
@@ -43,44 +43,63 @@ class OutOfRange:
         return f"{self.function}: {self.tensor} reaches {size}"
 
 
-def _largest(value) -> float | None:
+def _largest(value, rows: int) -> list[float] | None:
+    """Largest |value| of each of ``rows`` batch rows (NaN where a row holds one), or None for
+    what is not a float tensor. A tensor without that batch axis (rotary tables computed once
+    for every row) counts for each row."""
     import torch
 
     if isinstance(value, (tuple, list)):
-        found = [m for m in map(_largest, value) if m is not None]
-        return max(found) if found else None
+        found = [m for m in (_largest(v, rows) for v in value) if m is not None]
+        return [max(column, key=_order) for column in zip(*found)] if found else None
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() == 0:
         return None
-    if torch.isnan(value).any():
-        return math.nan
-    return float(value.detach().abs().max())
+    value = value.detach()
+    flat = value.reshape(rows, -1) if rows > 1 and value.ndim and value.shape[0] == rows else value.reshape(1, -1)
+    nan = torch.isnan(flat).any(dim=1).tolist()
+    largest = flat.abs().amax(dim=1).tolist()
+    per_row = [math.nan if is_nan else big for is_nan, big in zip(nan, largest)]
+    return per_row * rows if len(per_row) == 1 else per_row
 
 
-def _measured(model, ids) -> dict[str, float]:
-    """{module name (input)/(output): largest |value|} over one forward of ``model``."""
+def _order(largest: float) -> float:
+    # NaN outranks any size: a row that computed one is named for it
+    return math.inf if math.isnan(largest) else largest
+
+
+def _measured(model, ids, rows: int, batch: dict) -> list[dict[str, float]]:
+    """For each of ``rows`` batch rows, {module name (input)/(output): largest |value|} over one
+    forward of ``model`` (``batch``: the call's keyword arguments). An adapter's own modules
+    (its LoRA branches, named by its name in peft) see its rows alone and count for its row."""
     import torch
 
-    found: dict[str, float] = {}
+    from adapterpack.convert.lora import ADAPTER_NAME, BASE_ROW
 
-    def note(key: str, value) -> None:
-        largest = _largest(value)
-        if largest is not None:
-            before = found.get(key, 0.0)
-            found[key] = largest if math.isnan(largest) or largest > before else before
+    owners = {peft: row for row, peft in enumerate(batch.get("adapter_names", ())) if peft != BASE_ROW}
+    found: list[dict[str, float]] = [{} for _ in range(rows)]
+
+    def note(key: str, value, row: int | None) -> None:
+        largest = _largest(value, rows if row is None else 1)
+        for at, size in zip(range(rows) if row is None else [row], largest or ()):
+            found[at][key] = max(size, found[at].get(key, 0.0), key=_order)
 
     handles = []
     for name, module in model.named_modules():
         if not name:
             continue
+        parts = name.split(".")
+        row = next((owners[part] for part in parts if part in owners), None)
+        # named as one adapter alone names it (peft's default name), whichever row it is
+        shown = ".".join(ADAPTER_NAME if part in owners else part for part in parts)
 
-        def hook(module, args, output, name=name):
-            note(f"{name} (input)", args)
-            note(f"{name} (output)", output)
+        def hook(module, args, output, shown=shown, row=row):
+            note(f"{shown} (input)", args, row)
+            note(f"{shown} (output)", output, row)
 
         handles.append(module.register_forward_hook(hook))
     try:
         with torch.no_grad(), computed_in_float32(model):
-            model(ids)
+            model(ids.repeat(rows, 1), **batch)
     finally:
         for handle in handles:
             handle.remove()
@@ -94,30 +113,31 @@ def _reference_name(name: str) -> str:
 
 def out_of_float16_range(checked, names: list[str]) -> list[OutOfRange]:
     """Every module input or output of each function's reference (``names``: the manifest's
-    functions) whose magnitude float16 cannot hold, on the calibration prompt."""
+    functions) whose magnitude float16 cannot hold, on the calibration prompt; the functions'
+    references run side by side as verify's do (``reference.reference_passes``)."""
     import torch
 
     from adapterpack.convert.base_model import load_base
-    from adapterpack.convert.lora import applied_adapter
 
     manifest = checked.manifest
     base = load_base(checked.base.folder, dtype=stored_dtype(checked.base))
     tokens = verification_tokens(int(base.config.vocab_size), manifest.verify)[:CALIBRATION_TOKENS]
     ids = torch.from_numpy(tokens[None, :])
-    found: list[OutOfRange] = []
-    for name in names:
-        adapter = manifest.adapter(name)
-        if adapter is None:
-            measured = _measured(base, ids)
-        else:
-            folder = checked.adapters[name].folder
-            with torch.no_grad(), applied_adapter(base, folder, mode="unmerged", scale=float(adapter.scale)) as model:
-                measured = _measured(model, ids)
-        for tensor, largest in measured.items():
-            if math.isnan(largest) or largest > FLOAT16_MAX:
-                found.append(OutOfRange(name, _reference_name(tensor), largest))
+    base_function = next((name for name in names if manifest.adapter(name) is None), None)
+    measured: dict[str, dict[str, float]] = {}
+    for model, rows, batch in reference_passes(checked, base, names):
+        for function, found in zip(rows, _measured(model, ids, len(rows), batch)):
+            # the base's row stands for the base function, when the manifest has one
+            function = base_function if function is None else function
+            if function is not None:
+                measured.setdefault(function, found)
     del base
-    return found
+    return [
+        OutOfRange(name, _reference_name(tensor), largest)
+        for name in names
+        for tensor, largest in measured.get(name, {}).items()
+        if math.isnan(largest) or largest > FLOAT16_MAX
+    ]
 
 
 def check_reference_values(checked, names: list[str]) -> None:

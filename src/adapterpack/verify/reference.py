@@ -119,53 +119,61 @@ def _widened_in_parts(module):
     return forward
 
 
-def reference_logits(checked, names: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """(tokens, base logits, {adapter function: logits}) from the PyTorch base computed in
-    float32, with each adapter applied by peft unmerged. Everything torch holds is gone when
-    this returns.
+def reference_passes(checked, base, names: list[str]) -> Iterator[tuple[object, list[str | None], dict]]:
+    """The forwards that compute the references of ``names`` (the manifest's functions) over the
+    loaded ``base``: yields (model, the function of each batch row, keyword arguments of the call);
+    a row of None is the base alone. Call the model (under ``computed_in_float32``) before taking
+    the next; each is taken off ``base`` after.
 
     The base and the adapters peft can mix in one batch run side by side, a batch row each
     (``lora.applied_side_by_side``): every base weight is widened and multiplied once for all
-    of them instead of once per function, which is most of a reference's cost. DoRA and
-    ``modules_to_save`` adapters run one at a time."""
+    of them instead of once per function, which is most of a reference's cost (README,
+    ``benchmarks/reference_time.py``). DoRA and ``modules_to_save`` adapters run one at a time.
+    The first pass always holds the base's row."""
+    import torch
+
+    from adapterpack.convert.lora import BASE_ROW, applied_adapter, applied_side_by_side
+
+    manifest = checked.manifest
+    adapted = {name: manifest.adapter(name) for name in names if manifest.adapter(name) is not None}
+    mixed = [name for name in adapted if _mixes(checked.adapters[name])]
+    beside_base = max(ROWS_PER_PASS - 1, 1)  # adapter rows per pass, the base's row beside them
+    for first in range(0, max(len(mixed), 1), beside_base):
+        group = {name: (checked.adapters[name].folder, float(adapted[name].scale)) for name in mixed[first : first + beside_base]}
+        with torch.no_grad(), applied_side_by_side(base, group) as (model, named):
+            yield model, [None, *named], ({"adapter_names": [BASE_ROW, *named.values()]} if named else {})
+    for name, adapter in adapted.items():
+        if name not in mixed:
+            with torch.no_grad(), applied_adapter(base, checked.adapters[name].folder, mode="unmerged", scale=float(adapter.scale)) as model:
+                yield model, [name], {}
+
+
+def _mixes(adapter_info) -> bool:
+    """Whether peft can run the adapter in a batch beside others (see ``applied_side_by_side``)."""
+    return not adapter_info.uses_dora and not adapter_info.modules_to_save
+
+
+def reference_logits(checked, names: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(tokens, base logits, {adapter function: logits}) from the PyTorch base computed in
+    float32, with each adapter applied by peft unmerged (``reference_passes``). Everything torch
+    holds is gone when this returns."""
     import torch
 
     from adapterpack.convert.base_model import load_base
-    from adapterpack.convert.lora import BASE_ROW, applied_adapter, applied_side_by_side
 
     manifest = checked.manifest
     base = load_base(checked.base.folder, dtype=stored_dtype(checked.base))
     # The Swift client's mask is one slot wider than the tokens, so it holds max_context - 1 of them.
     tokens = verification_tokens(int(base.config.vocab_size), manifest.verify)[: manifest.export.max_context - 1]
     ids = torch.from_numpy(tokens[None, :])
-    adapted = {name: manifest.adapter(name) for name in names if manifest.adapter(name) is not None}
-    mixed = [name for name in adapted if _mixes(checked.adapters[name])]
-    references = {}
-    base_reference = None
-    beside_base = max(ROWS_PER_PASS - 1, 1)  # adapter rows per pass, the base's row beside them
-    for first in range(0, max(len(mixed), 1), beside_base):
-        group = {name: (checked.adapters[name].folder, float(adapted[name].scale)) for name in mixed[first : first + beside_base]}
-        with torch.no_grad(), applied_side_by_side(base, group) as (model, named), computed_in_float32(model):
-            rows = [BASE_ROW, *named.values()]
-            batch = {"adapter_names": rows} if named else {}
+    found: dict[str | None, np.ndarray] = {}
+    for model, rows, batch in reference_passes(checked, base, names):
+        with computed_in_float32(model):
             logits = model(ids.repeat(len(rows), 1), **batch).logits.float().numpy()
-        if base_reference is None:
-            base_reference = logits[0]
-        references.update({name: logits[row] for row, name in enumerate(named, start=1)})
+        found.update(zip(rows, logits))
         del logits
-    for name, adapter in adapted.items():
-        if name in references:
-            continue
-        folder = checked.adapters[name].folder
-        with torch.no_grad(), applied_adapter(base, folder, mode="unmerged", scale=float(adapter.scale)) as model:
-            with computed_in_float32(model):
-                references[name] = model(ids).logits[0].float().numpy()
-    return tokens, base_reference, {name: references[name] for name in adapted}
-
-
-def _mixes(adapter_info) -> bool:
-    """Whether peft can run the adapter in a batch beside others (see ``applied_side_by_side``)."""
-    return not adapter_info.uses_dora and not adapter_info.modules_to_save
+    base_reference = found.pop(None)
+    return tokens, base_reference, {name: found[name] for name in names if name in found}
 
 
 @contextlib.contextmanager
