@@ -35,3 +35,16 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     manifest = Path(__file__).resolve().parents[1] / "manifests" / "demo.yaml"
     return build(manifest, output=out / "demo.mlpackage", options=BuildOptions(cache_dir=out / "cache"))
+
+
+def pytest_configure(config):
+    # Under pytest-xdist each worker is one of the machine's cores: one BLAS/OpenMP thread per
+    # worker (and the commands it runs) instead of every worker spinning threads on every core.
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["MKL_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
