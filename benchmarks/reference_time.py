@@ -34,7 +34,7 @@ from build_time import PYTHON, SHAPES, machine, make_inputs  # noqa: E402
 # One way, in its own process: seconds and peak RSS of verify's references (``verify``) or the
 # build's range check (``range``), what they found saved.
 RUN = r"""
-import json, pickle, resource, sys, time
+import json, pickle, sys, time
 from pathlib import Path
 import numpy as np
 from adapterpack.inputs.checked import check_inputs
@@ -55,7 +55,9 @@ if stage == "verify":
     np.savez(saved, base=base, **adapters)
 else:
     Path(saved).write_bytes(pickle.dumps(sorted((f.function, f.tensor, f.largest) for f in found)))
-print(json.dumps({"seconds": round(seconds, 1), "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forked parent, which made the inputs.
+hwm_kib = int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:")).split()[1])
+print(json.dumps({"seconds": round(seconds, 1), "peak_rss_gib": round(hwm_kib / 2**20, 2)}))
 """
 WAYS = ("one_at_a_time", "side_by_side")
 STAGES = ("verify", "range")
@@ -110,10 +112,11 @@ def main() -> None:
         for stage in STAGES:
             figures = run[stage]
             best = figures["best_seconds"]
+            peak = {way: max(run["peak_rss_gib"] for run in figures[way]) for way in WAYS}
             agreement = (f"logits differ by at most {figures['agreement']:.2e}" if stage == "verify"
                          else "same findings" if figures["agreement"] else "DIFFERENT FINDINGS")
             print(f"{run['shape']} {stage}: one at a time {best['one_at_a_time']} s, side by side {best['side_by_side']} s: "
-                  f"{figures['side_by_side_faster']}x faster; {agreement}")
+                  f"{figures['side_by_side_faster']}x faster; peak RSS {peak['one_at_a_time']} / {peak['side_by_side']} GiB; {agreement}")
 
 if __name__ == "__main__":
     main()

@@ -75,6 +75,37 @@ def test_real_checkpoint_float16_fused_package_is_exact(smollm2_base, tmp_path):
     _assert_exact(result.verify_report, {"shout", "base"})
 
 
+def test_side_by_side_references_of_a_real_checkpoint_equal_each_function_alone(smollm2_base, tmp_path, monkeypatch):
+    """Verify's references and the range check run the base and both trained skills as batch rows
+    of one forward; on the real checkpoint, whose residual reaches about 25,000, each row must
+    give what that function alone gives: the same logits, and the same largest value of every
+    module (a lowered bound makes the massive activations findings, so there are some to compare)."""
+    import numpy as np
+
+    from adapterpack.verify import ranges, reference
+
+    checked = check_inputs(_manifest(tmp_path, smollm2_base))
+    names = checked.manifest.function_names
+    monkeypatch.setattr(ranges, "FLOAT16_MAX", 1000.0)
+    tokens, base, adapters = reference.reference_logits(checked, names)
+    found = ranges.out_of_float16_range(checked, names)
+    monkeypatch.setattr(reference, "_mixes", lambda info: False)  # every function on its own
+    _, base_alone, adapters_alone = reference.reference_logits(checked, names)
+    alone = ranges.out_of_float16_range(checked, names)
+
+    np.testing.assert_allclose(base, base_alone, rtol=0, atol=1e-4)
+    assert sorted(adapters) == sorted(adapters_alone) == ["pirate", "shout"]
+    for name, logits in adapters.items():
+        np.testing.assert_allclose(logits, adapters_alone[name], rtol=0, atol=1e-4, err_msg=name)
+        assert np.abs(logits - base).max() > 1.0, f"{name}: the skill moved nothing"
+    assert {f.function for f in found} == {"base", "shout", "pirate"}
+    assert max(f.largest for f in found) > 10_000  # the checkpoint's massive activations
+    by_place = {(f.function, f.tensor): f.largest for f in found}
+    assert sorted(by_place) == sorted((f.function, f.tensor) for f in alone)
+    for f in alone:
+        assert by_place[f.function, f.tensor] == pytest.approx(f.largest, rel=1e-5), (f.function, f.tensor)
+
+
 @pytest.mark.slow
 def test_real_checkpoint_float16_package_is_exact_fused_and_kept(smollm2_float16):
     """shout fused, pirate kept (its LoRA branch in the program) and the base in one package."""

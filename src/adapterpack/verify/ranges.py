@@ -69,32 +69,43 @@ def _order(largest: float) -> float:
 
 def _measured(model, ids, rows: int, batch: dict) -> list[dict[str, float]]:
     """For each of ``rows`` batch rows, {module name (input)/(output): largest |value|} over one
-    forward of ``model`` (``batch``: the call's keyword arguments). An adapter's own modules
-    (its LoRA branches, named by its name in peft) see its rows alone and count for its row."""
+    forward of ``model`` (``batch``: the call's keyword arguments), each row measuring what that
+    function's reference alone would: an adapter's own modules (its LoRA branches, named by its
+    name in peft) see its rows alone and count for its row, and the base projection inside a
+    module peft wrapped (``base_layer``) counts for the rows of the adapters that wrap it."""
     import torch
 
     from adapterpack.convert.lora import ADAPTER_NAME, BASE_ROW
 
-    owners = {peft: row for row, peft in enumerate(batch.get("adapter_names", ())) if peft != BASE_ROW}
+    row_adapters = batch.get("adapter_names", ())
+    owners = {peft: row for row, peft in enumerate(row_adapters) if peft != BASE_ROW}
+    modules = dict(model.named_modules())
     found: list[dict[str, float]] = [{} for _ in range(rows)]
 
-    def note(key: str, value, row: int | None) -> None:
-        largest = _largest(value, rows if row is None else 1)
-        for at, size in zip(range(rows) if row is None else [row], largest or ()):
-            found[at][key] = max(size, found[at].get(key, 0.0), key=_order)
+    def note(key: str, value, own_row: int | None, counted: set[int] | None) -> None:
+        largest = _largest(value, rows if own_row is None else 1)
+        for at, size in zip(range(rows) if own_row is None else [own_row], largest or ()):
+            if counted is None or at in counted:
+                found[at][key] = max(size, found[at].get(key, 0.0), key=_order)
 
     handles = []
-    for name, module in model.named_modules():
+    for name, module in modules.items():
         if not name:
             continue
         parts = name.split(".")
-        row = next((owners[part] for part in parts if part in owners), None)
+        own_row = next((owners[part] for part in parts if part in owners), None)
+        counted = None
+        if row_adapters and parts[-1] == "base_layer":
+            # a row whose adapter leaves this module alone computes it without the wrapper
+            # (base_layer's output is the module's): that function alone has no base_layer
+            wrapping = getattr(modules[".".join(parts[:-1])], "lora_A", {})
+            counted = {row for row, peft in enumerate(row_adapters) if peft in wrapping}
         # named as one adapter alone names it (peft's default name), whichever row it is
         shown = ".".join(ADAPTER_NAME if part in owners else part for part in parts)
 
-        def hook(module, args, output, shown=shown, row=row):
-            note(f"{shown} (input)", args, row)
-            note(f"{shown} (output)", output, row)
+        def hook(module, args, output, shown=shown, own_row=own_row, counted=counted):
+            note(f"{shown} (input)", args, own_row, counted)
+            note(f"{shown} (output)", output, own_row, counted)
 
         handles.append(module.register_forward_hook(hook))
     try:
