@@ -233,3 +233,18 @@ def tree_digest(path: Path) -> str:
         digest.update(file.relative_to(path).as_posix().encode())
         digest.update(file.read_bytes())
     return digest.hexdigest()
+
+
+def run_with_fault(args: list, at: int, report: Path):
+    """``adapterpack ARGS`` in a process of its own with a fault at call ``at`` (0: none), as
+    ``tests/fault_runner.py`` runs it: (the completed process, {"calls", "where"})."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTERPACK_DEBUG"} | {"PYTHONHASHSEED": "0"}
+    runner = Path(__file__).with_name("fault_runner.py")
+    result = subprocess.run([sys.executable, str(runner), str(at), str(report), *map(str, args)],
+                            capture_output=True, text=True, env=env, timeout=900)
+    return result, json.loads(report.read_text())

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapterpack.assemble.cache import ENTRY_FILE, BuildCache, file_digests
+from adapterpack.assemble.cache import ENTRY_FILE, MARKER, BuildCache, file_digests
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
@@ -178,7 +178,7 @@ def test_fused_parts_share_the_base_blob_on_disk_and_are_hashed_once(clean, monk
     assert 0 < own.stat().st_size < chat.stat().st_size / 2  # its q/v records only
     stored = {}
     for f in cache.rglob("*"):
-        if f.is_file() and f.name != ENTRY_FILE:
+        if f.is_file() and f.name not in (ENTRY_FILE, MARKER):
             stored[f.stat().st_ino] = f.stat().st_size
     recorded = sum(e.size for kind in ("parts", "bases", "palettes", "checks", "verdicts") for e in BuildCache(cache).entries([kind]))
     listing = json.loads(run_cli("cache", "info", cache, "--json").stdout)
@@ -198,7 +198,7 @@ def test_cache_commands(project, clean, tmp_path):
     assert info.returncode == 0, info.stderr
     listing = json.loads(info.stdout)
     assert {kind for kind, row in listing["kinds"].items() if row["entries"]} == {"parts", "bases", "palettes", "checks", "verdicts"}
-    total = sum(f.stat().st_size for f in copy.rglob("*") if f.is_file() and f.name != ENTRY_FILE)
+    total = sum(f.stat().st_size for f in copy.rglob("*") if f.is_file() and f.name not in (ENTRY_FILE, MARKER))
     assert listing["bytes"] == total
 
     flip_payload_byte(part_of(copy, "code"))
@@ -239,7 +239,7 @@ def test_prune_drops_an_older_layout_and_leftovers(tmp_path):
     cache.write("verdicts", "k", {"verdict.json": b"{}"}, {})
     dropped = cache.prune()
     assert len(dropped) == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["palettes", "verdicts"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "palettes", "verdicts"]
     assert cache.open("verdicts", "k") is not None
 
 

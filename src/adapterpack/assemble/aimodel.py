@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -22,7 +21,7 @@ from adapterpack.assemble.parts import PartRecord, metadata_of
 from adapterpack.assemble.records import FunctionProvenance, Reporter
 from adapterpack.formats.aimodel.asset import CONTRACT_KEY
 from adapterpack.formats.aimodel.format import AIMODEL
-from adapterpack.formats.metadata import METADATA_PREFIX, library_versions
+from adapterpack.formats.metadata import METADATA_PREFIX, library_versions, strict_json
 from adapterpack.inputs.checked import CheckedInputs, hf_name
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
         log.debug("compressed weights: %d made, %d shared with an earlier function", weights.compressed_count, weights.reused_count)
         metadata, description = metadata_of([records[name] for name in names], library_versions(AIMODEL.libraries))
         # What `inspect` needs for the activations estimate, which a .mlpackage reads from its program.
-        metadata[METADATA_PREFIX + "shape"] = json.dumps(model_sizes(checked.base.config), sort_keys=True)
+        metadata[METADATA_PREFIX + "shape"] = strict_json(model_sizes(checked.base.config), sort_keys=True)
         if manifest.export.contract != "swift-transformers":
             # How its functions are called: what verify, generate and eval drive them with (an
             # asset without the key follows swift-transformers', as every asset did before).

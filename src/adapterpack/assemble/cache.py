@@ -42,6 +42,34 @@ log = logging.getLogger(__name__)
 ENTRY_FILE = "entry.json"
 
 
+# The mark a build leaves in a folder it made its cache: the cache commands (info, verify, prune)
+# act on no other folder, so a slip (`cache prune build`, the output folder) deletes nothing. The
+# Cache Directory Tagging Specification's file, which backup tools also honour.
+MARKER = "CACHEDIR.TAG"
+MARKER_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This folder is an adapterpack build cache: entries are rebuilt when missing.\n"
+    "# `adapterpack cache info|verify|prune` act only on folders holding this file.\n"
+)
+
+
+def cache_holding(path: Path) -> Path | None:
+    """The marked build cache ``path`` is or lies inside, or None: no output may be written
+    there (a later ``cache verify`` or ``prune`` would drop it as a damaged entry)."""
+    for folder in (Path(path), *Path(path).parents):
+        if is_marked(folder):
+            return folder
+    return None
+
+
+def is_marked(folder: Path) -> bool:
+    """Whether ``folder`` is a build cache a build made (it holds ``MARKER``)."""
+    try:
+        return (Path(folder) / MARKER).read_text().startswith(MARKER_TEXT.splitlines()[0])
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 # Bump when an entry's layout changes; entries of another layout are stale, never read.
 ENTRY_LAYOUT = 1
 
@@ -211,6 +239,18 @@ class BuildCache:
         self.folder = Path(folder)
         self.warn = warn or log.warning
         self._hashed: dict = {}  # file identity -> digests this process computed (Entry.problem)
+        self._marked = False
+
+    def mark(self) -> None:
+        """Make the folder (when missing) and mark it as a build cache (``MARKER``)."""
+        if self._marked:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if not is_marked(self.folder):
+            staged = self.folder / f".{MARKER}.{uuid.uuid4().hex}"
+            staged.write_text(MARKER_TEXT)
+            os.replace(staged, self.folder / MARKER)
+        self._marked = True
 
     # -- entries ---------------------------------------------------------------------------
 
@@ -299,6 +339,7 @@ class BuildCache:
         """Store ``files`` (name -> a file or package folder to copy, or bytes) as entry
         ``kind/key``, atomically; returns the entry's folder. An entry already there (another
         build wrote the same key) is kept."""
+        self.mark()
         root = self.folder / kind
         root.mkdir(parents=True, exist_ok=True)
         incoming = root / f".incoming-{uuid.uuid4().hex}"
@@ -359,6 +400,7 @@ class BuildCache:
         """Delete temporary folders that killed builds left (never a running build's)."""
         now = time.time()
         candidates = list(self.folder.glob(".trash-*")) + [p for kind in KINDS for p in (self.folder / kind).glob(".incoming-*")]
+        candidates += list(self.folder.glob(f".{MARKER}.*"))
         for path in candidates:
             try:
                 if now - path.stat().st_mtime >= older_than:

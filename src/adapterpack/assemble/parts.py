@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from adapterpack.assemble.records import FunctionProvenance
 from adapterpack.errors import BadInput
-from adapterpack.formats.metadata import library_versions, package_metadata
+from adapterpack.formats.metadata import library_versions, package_metadata, strict_json
 from adapterpack.formats.mlpackage.format import MLPACKAGE
 from adapterpack.formats.mlpackage.weight_patch import link_or_copy
 
@@ -173,8 +173,21 @@ def write_part(folder: Path, part: Part) -> Path:
     name = part.record.function
     target = folder / f"{name}.mlpackage"
     place(part.package, target)
-    (folder / f"{name}{PART_SUFFIX}").write_text(json.dumps(part.record.as_json(), indent=2, sort_keys=True))
+    (folder / f"{name}{PART_SUFFIX}").write_text(strict_json(part.record.as_json(), indent=2, sort_keys=True))
     return target
+
+
+def is_part(package: Path, function: str) -> bool:
+    """Whether ``package`` is the part of ``function`` that ``write_part`` wrote: a package folder
+    beside its record, which names that function."""
+    record = package.with_name(f"{function}{PART_SUFFIX}")
+    if package.is_symlink() or not package.is_dir() or record.is_symlink() or not record.is_file():
+        return False
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("function") == function
 
 
 def read_parts(folder: Path) -> list[Part]:

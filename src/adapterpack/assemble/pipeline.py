@@ -22,13 +22,22 @@ from adapterpack.assemble.builder import (
     templates_for,
 )
 from adapterpack.assemble.cache import BuildCache
-from adapterpack.assemble.parts import PartRecord, content_key, read_parts, write_part
-from adapterpack.assemble.plan import Plan, check_destination, checked_for, plan_build, refuse_whole_format
+from adapterpack.assemble.parts import PartRecord, content_key, is_part, read_parts, write_part
+from adapterpack.assemble.plan import (
+    Plan,
+    check_cache_folder,
+    check_destination,
+    checked_for,
+    plan_build,
+    refuse_inside_a_cache,
+    refuse_whole_format,
+)
 from adapterpack.assemble.records import BuildOptions, BuildResult, FunctionProvenance, Reporter
 from adapterpack.assemble.staging import Staging
 from adapterpack.config.device_rules import package_findings
 from adapterpack.config.devices import lora_float16_bytes
 from adapterpack.config.manifest import Manifest
+from adapterpack.config.paths import refuse_overlap, resolved
 from adapterpack.errors import BadInput, VerificationFailed, warn_or_refuse
 from adapterpack.formats.format import Format
 from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path
@@ -83,6 +92,8 @@ def build(
     reporter = reporter or Reporter()
     started = time.perf_counter()
     plan = plan_build(manifest, output, options)
+    if plan.cache is not None:
+        plan.cache.mark()
     with Staging(plan.destination) as staging:
         plan = dataclasses.replace(plan, checked=_chosen(plan.checked, plan.cache, staging.folder, reporter))
         staged = staging.folder / plan.destination.name
@@ -262,13 +273,28 @@ def build_function_part(
             f"--function {function}: not a function of {checked.manifest.source}: "
             f"choose one of {', '.join(checked.manifest.function_names)}"
         )
-    parts_dir = Path(parts_dir).resolve()
+    parts_dir = resolved(parts_dir, "parts folder")
+    use_cache = options.cache_dir is not None and options.use_cache
+    cache_dir = resolved(options.cache_dir, "build cache") if use_cache else None
+    check_parts_folder(parts_dir, function, package_format, checked, cache_dir)
     with Staging(parts_dir / f"{function}{package_format.suffix}") as staging:
-        use_cache = options.cache_dir is not None and options.use_cache
-        cache = BuildCache(Path(options.cache_dir)) if use_cache else None
+        cache = BuildCache(cache_dir) if cache_dir is not None else None
         checked = _chosen(checked, cache, staging.folder, reporter)
         parts, _ = build_parts(checked, staging.folder, reporter, cache=cache, only=[function])
         return write_part(parts_dir, parts[0])
+
+
+def check_parts_folder(parts_dir: Path, function: str, package_format: Format, checked: CheckedInputs, cache_dir: Path | None) -> None:
+    """A fan-out part goes to a folder of parts: not an input, not the build cache; a part it
+    replaces (a job run again) must be one adapterpack wrote."""
+    refuse_overlap(parts_dir, checked.input_paths(), "parts folder")
+    refuse_inside_a_cache(parts_dir, "parts folder")
+    if cache_dir is not None:
+        check_cache_folder(cache_dir, checked)
+        refuse_overlap(parts_dir, [cache_dir], "parts folder (the build cache's own entries would mix with it)")
+    existing = parts_dir / f"{function}{package_format.suffix}"
+    if (existing.exists() or existing.is_symlink()) and not is_part(existing, function):
+        raise BadInput(f"{existing} exists and is not a part adapterpack wrote: it is never replaced; remove it or choose another --parts")
 
 
 def merge_from_parts(
@@ -284,8 +310,9 @@ def merge_from_parts(
     started = time.perf_counter()
     package_format = of_package(output)
     refuse_whole_format(package_format)
+    destination = resolved(output, "output")
+    refuse_overlap(destination, [parts_dir], "output (the parts are its input)")
     parts = read_parts(Path(parts_dir))
-    destination = Path(output).resolve()
     checked = check_inputs(manifest, strict=options.strict) if manifest is not None else None
     check_destination(destination, checked, force=options.force)
     if checked is not None and checked.base.content_hash != parts[0].record.base.sha256:

@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.assemble.cache import BuildCache
+from adapterpack.assemble.cache import BuildCache, cache_holding
 from adapterpack.assemble.disk import check_build_disk
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.manifest import Manifest
+from adapterpack.config.paths import refuse_overlap, resolved
 from adapterpack.errors import BadInput, OutputExists
 from adapterpack.formats.format import Format
-from adapterpack.formats.registry import named, of_output, written_by_adapterpack
+from adapterpack.formats.registry import FORMATS, named, of_output, written_by_adapterpack
 from adapterpack.inputs.checked import CheckedInputs, check_inputs, check_state_sizes
 
 CACHE_FOLDER = ".adapterpack-cache"
@@ -61,28 +62,29 @@ def plan_build(
     """The plan of ``adapterpack build``: inputs checked, format chosen, destination checked."""
     checked, package_format = checked_for(manifest, options, output)
     destination = checked.manifest.output_path(output)
-    check_destination(destination, checked, force=options.force)
-    cache_dir = Path(options.cache_dir) if options.cache_dir else destination.parent / CACHE_FOLDER
+    cache_dir = resolved(options.cache_dir, "build cache") if options.cache_dir else destination.parent / CACHE_FOLDER
+    check_destination(destination, checked, force=options.force, cache_dir=cache_dir if options.use_cache else None)
+    if options.use_cache:
+        check_cache_folder(cache_dir, checked)
     check_build_disk(checked, cache_dir if options.use_cache else None, destination)
     return Plan(checked, package_format, destination, BuildCache(cache_dir) if options.use_cache else None)
 
 
-def check_destination(destination: Path, checked: CheckedInputs | None, *, force: bool) -> None:
+def check_destination(destination: Path, checked: CheckedInputs | None, *, force: bool, cache_dir: Path | None = None) -> None:
     """Refuse an output that is, holds or lies inside an input (base, adapter, manifest,
-    tokenizer), or that exists and is not a package adapterpack wrote, with or without --force;
-    an existing package of ours needs --force."""
+    calibration text) or the build cache, or that exists and is not a package adapterpack wrote,
+    with or without --force; an existing package of ours needs --force."""
     if "\0" in str(destination):
         raise BadInput(f"{str(destination)!r}: the output path holds a NUL byte")
-    target = Path(destination).resolve()
-    inputs: list[Path] = []
-    if checked is not None:
-        inputs = [checked.base.folder, *(info.folder for info in checked.adapters.values())]
-        if checked.manifest.source is not None:
-            inputs.append(Path(checked.manifest.source))
-    for given in inputs:
-        given = Path(given).resolve()
-        if target == given or target in given.parents or given in target.parents:
-            raise BadInput(f"{destination}: the output would be written over or into an input ({given}): choose another output")
+    if of_output(destination) is None:
+        raise BadInput(
+            f"{destination}: a package is a folder named *{' or *'.join(f.suffix for f in FORMATS.values())} "
+            "(a release's zip is written by `adapterpack release`)"
+        )
+    refuse_overlap(destination, checked.input_paths() if checked is not None else ())
+    refuse_inside_a_cache(destination, "output")
+    if cache_dir is not None:
+        refuse_overlap(destination, [cache_dir], "output (it would be inside the build cache, or hold it)")
     if not (destination.exists() or destination.is_symlink()):
         return
     if not written_by_adapterpack(destination):
@@ -92,6 +94,18 @@ def check_destination(destination: Path, checked: CheckedInputs | None, *, force
         )
     if not force:
         raise OutputExists(f"{destination} exists: pass --force to replace it")
+
+
+def refuse_inside_a_cache(path: Path, role: str) -> None:
+    """BadInput when ``path`` lies inside a build cache (``cache verify`` would drop it)."""
+    holder = cache_holding(resolved(path, role))
+    if holder is not None:
+        raise BadInput(f"{path}: the {role} would be inside the build cache {holder}, whose commands drop what they did not write: choose another {role}")
+
+
+def check_cache_folder(cache_dir: Path, checked: CheckedInputs) -> None:
+    """The build cache writes and deletes its own entries: it must not be, hold or lie inside an input."""
+    refuse_overlap(cache_dir, checked.input_paths(), "build cache")
 
 
 def refuse_whole_format(package_format: Format) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -37,10 +38,12 @@ from adapterpack.cli.render import (
 )
 from adapterpack.config.devices import DEVICES, find_device
 from adapterpack.config.manifest import CONTRACTS, load_manifest, manifest_json_schema
+from adapterpack.config.names import check_swift_type_name
 from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
+from adapterpack.formats.metadata import strict_json
 from adapterpack.formats.registry import NAMES as PACKAGE_FORMATS
 from adapterpack.formats.registry import read_functions
-from adapterpack.inputs.checked import check_inputs, check_state_sizes
+from adapterpack.inputs.checked import check_inputs, check_layer_exceptions, check_state_sizes
 from adapterpack.release.artifacts import release as run_release
 from adapterpack.report.asset import inspect_either
 from adapterpack.report.memory import budget_rows, inspection_json, memory_estimate
@@ -236,7 +239,7 @@ def verify(
         reporter = ConsoleReporter(quiet)
         report = verify_package(package, loaded, backend=backend, stage=reporter.stage if reporter.live else None)
         if as_json:
-            print(json.dumps(report.as_json(), indent=2))
+            print(strict_json(report.as_json(), indent=2))
         else:
             out.print(verify_table(report))
         if not report.passed:
@@ -254,9 +257,9 @@ def generate(
         Path | None, typer.Option("--manifest", "-m", help="The manifest the package was built from: its base's tokenizer, and the reference for --compare")
     ] = None,
     backend: BackendOption = "numpy",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Stop after this many tokens (or at EOS, or at max_context)", min=1)] = 64,
-    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; more: sample", min=0)] = 0.0,
-    top_k: Annotated[int | None, typer.Option("--top-k", help="Sample among the k most likely tokens", min=1)] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Stop after this many tokens, 1 or more (or at EOS, or at max_context)")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; more (finite): sample")] = 0.0,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Sample among the k most likely tokens (1 or more)")] = None,
     top_p: Annotated[float | None, typer.Option("--top-p", help="Sample among the most likely tokens holding this probability")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sampling")] = 0,
     compare: Annotated[bool, typer.Option("--compare", help="Also generate with the PyTorch reference (peft, unmerged, float32) and show where the two part")] = False,
@@ -326,7 +329,7 @@ def eval_command(
         with reporter.progress("eval: windows run (package, then reference)", "windows") as update:
             report = evaluate(package, text, checked, functions=function, window=window, backend=backend, progress=update)
         if as_json:
-            print(json.dumps(report.as_json(), indent=2))
+            print(strict_json(report.as_json(), indent=2))
         else:
             out.print(eval_table(report))
 
@@ -406,6 +409,9 @@ def validate(
             f"({checked.base.config.get('model_type')}), max_context {m.export.max_context}",
             highlight=False,
         )
+        for function, exceptions in check_layer_exceptions(m, checked.base).items():
+            for pattern, decided in exceptions.items():
+                out.print(f"{function}: compression.layers '{pattern}' decides {len(decided)} weight(s), e.g. {decided[0]}", highlight=False)
         needs = disk_needs(checked)
         out.print(
             f"disk: a clean build writes about {human_size(needs.cache)} to its build cache and "
@@ -442,6 +448,11 @@ def functions(
     configure_logging(quiet=True)
     with error_boundary():
 
+        if swift:
+            try:
+                check_swift_type_name(swift_type)
+            except ValueError as error:
+                raise BadInput(f"--swift-type: {error}") from None
         package_functions = read_functions(package)
         if expect is not None:
             expected = [name.strip() for name in expect.split(",") if name.strip()]
@@ -452,7 +463,7 @@ def functions(
             print(swift_enum(package_functions, swift_type))
             return
         if as_json:
-            print(json.dumps(
+            print(strict_json(
                 {
                     "package": str(package),
                     "default": package_functions.default,
@@ -485,7 +496,7 @@ def functions(
 def inspect(
     package: Annotated[Path, typer.Argument(help="A .mlpackage or .aimodel, e.g. build/demo.mlpackage", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report")] = False,
-    top: Annotated[int, typer.Option("--top", min=0, help="How many of the largest tensors to list")] = 10,
+    top: Annotated[int, typer.Option("--top", help="How many of the largest tensors to list (0 or more)")] = 10,
     device: Annotated[
         str | None,
         typer.Option("--device", help="Only this device in the memory budget, e.g. iphone-15-pro (default: all)"),
@@ -506,12 +517,14 @@ def inspect(
     configure_logging(quiet=True)
     with error_boundary():
 
+        if top < 0:
+            raise BadInput(f"--top {top}: give 0 or more")
         devices = [find_device(device)] if device else list(DEVICES)
         report = inspect_either(package)
         estimate = memory_estimate(report)
         budget = budget_rows(report, estimate, devices)
         if as_json:
-            print(json.dumps(inspection_json(report, estimate, budget, top), indent=2))
+            print(strict_json(inspection_json(report, estimate, budget, top), indent=2))
         else:
             print_any_inspection(report, estimate, budget, top)
         if strict and report.device_findings:
@@ -548,10 +561,17 @@ CacheFolderArg = Annotated[Path, typer.Argument(help="The build cache folder", s
 
 
 def _open_cache(folder: Path):
-    from adapterpack.assemble.cache import BuildCache
+    from adapterpack.assemble.cache import MARKER, BuildCache, is_marked
 
     if not folder.is_dir():
         raise BadInput(f"{folder}: no build cache here (builds make .adapterpack-cache beside their output)")
+    if not is_marked(folder):
+        # Only a folder a build made its cache is ever pruned: never an output folder, a parts
+        # folder or a project given by mistake.
+        raise BadInput(
+            f"{folder}: not a build cache (a build marks its cache with {MARKER}; the default is "
+            ".adapterpack-cache beside the output, e.g. build/.adapterpack-cache)"
+        )
     return BuildCache(folder, warn=log.warning)
 
 
@@ -569,7 +589,7 @@ def cache_info(
         cache = _open_cache(folder)
         listing = cache_listing(cache)
         if as_json:
-            print(json.dumps(listing, indent=2))
+            print(strict_json(listing, indent=2))
         else:
             out.print(cache_table(listing))
 
@@ -600,7 +620,7 @@ def cache_prune(
         str | None, typer.Option("--max-size", help="Drop the least recently used entries until the cache holds at most this, e.g. 8GB")
     ] = None,
     older_than: Annotated[
-        float | None, typer.Option("--older-than", help="Drop entries no build has used for this many days", min=0)
+        float | None, typer.Option("--older-than", help="Drop entries no build has used for this many days (0 or more)")
     ] = None,
 ) -> None:
     """Drop unused entries, each one whole.
@@ -613,9 +633,12 @@ def cache_prune(
     """
     configure_logging(quiet=True)
     with error_boundary():
+        if older_than is not None and not (math.isfinite(older_than) and older_than >= 0):
+            raise BadInput(f"--older-than {older_than}: give a number of days, 0 or more")
+        max_bytes = parse_size(max_size) if max_size is not None else None
         cache = _open_cache(folder)
         before = cache_listing(cache)["bytes"]
-        dropped = cache.prune(max_bytes=parse_size(max_size) if max_size is not None else None, older_than_days=older_than)
+        dropped = cache.prune(max_bytes=max_bytes, older_than_days=older_than)
         after = cache_listing(cache)["bytes"]
         out.print(
             f"cache prune: dropped {len(dropped)} entr{'y' if len(dropped) == 1 else 'ies'}, "
@@ -632,9 +655,30 @@ def main() -> None:
     """
     import atexit
 
+    # click's UsageError, from whichever click typer uses (its own copy in recent versions).
+    usage_error = typer.BadParameter.__mro__[1]
     try:
-        app(prog_name="adapterpack")
-        code = 0
+        # Not standalone: click's usage errors (an unknown option, a missing value, a value of the
+        # wrong type) come here and are printed as every other error is, one line and exit 2.
+        returned = app(prog_name="adapterpack", standalone_mode=False)
+        code = returned if isinstance(returned, int) else 0
+    except usage_error as error:
+        if type(error).__name__ == "NoArgsIsHelpError":  # a command group without a command
+            error.show()  # its help, as click shows it
+            code = 2
+        else:
+            command = error.ctx.command_path if error.ctx is not None else "adapterpack"
+            print(f"error: {error.format_message()} (see {command} --help)", file=sys.stderr)
+            code = 2
+    except typer.Abort:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    except Exception as error:  # noqa: BLE001 - a fault in the error boundary itself: still one line
+        first = (str(error).strip().splitlines() or [""])[0]
+        print(f"internal error: {type(error).__name__}: {first} (run with ADAPTERPACK_DEBUG=1 for the traceback)", file=sys.stderr)
+        code = 1
+        if os.environ.get("ADAPTERPACK_DEBUG", "") not in ("", "0"):
+            raise
     except SystemExit as exit_:
         code = exit_.code
         if code is None:

@@ -55,18 +55,39 @@ def weight_setting(
     ``keep_float16`` match, a method ``none``, or groups or blocks that do not tile it. The first
     of ``compression.layers``' patterns that matches gives the weight its own setting. LoRA
     matrices follow ``lora_compression`` (None: float16), not ``keep_float16``."""
+    return _rule(name, shape, compression, lora_compression)[1]
+
+
+def _rule(
+    name: str, shape: tuple[int, ...], compression: Compression, lora_compression: Compression | None = None
+) -> tuple[str | None, Compression | None]:
+    """(the ``compression.layers`` pattern that decides weight ``name``, or None; its setting as
+    ``weight_setting`` returns it)."""
     flat = name.replace(".", "_")
     if len(shape) < 2 or math.prod(shape) <= WEIGHT_THRESHOLD or matches_any(flat, ALWAYS_FLOAT16):
-        return None
+        return None, None
+    pattern = None
     if matches_any(flat, LORA_PATTERNS):
         setting = lora_compression
     elif matches_any(flat, tuple(compression.keep_float16)):
-        return None
+        return None, None
     else:
-        setting = next((own for pattern, own in compression.layers if matches_any(flat, (pattern,))), compression)
+        pattern, setting = next(((p, own) for p, own in compression.layers if matches_any(flat, (p,))), (None, compression))
     if setting is None or setting.method == "none" or not _fits(shape, setting):
-        return None
-    return setting
+        return pattern, None
+    return pattern, setting
+
+
+def exception_matches(weights: dict[str, tuple[int, ...]], compression: Compression) -> dict[str, list[str]]:
+    """{pattern of ``compression.layers``: the weights (name -> shape) it decides}, every pattern
+    listed: one that decides none (a typo, a weight kept float16 anyway, shadowed by an earlier
+    pattern) has an empty list."""
+    found: dict[str, list[str]] = {pattern: [] for pattern, _ in compression.layers}
+    for name, shape in weights.items():
+        pattern = _rule(name, shape, compression)[0]
+        if pattern is not None:
+            found[pattern].append(name)
+    return found
 
 
 def _fits(shape: tuple[int, ...], setting: Compression) -> bool:

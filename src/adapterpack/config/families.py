@@ -1,19 +1,40 @@
-"""Model families the export decoder supports, checked from config.json before torch is imported."""
+"""Model families the export decoder supports, checked from config.json before torch is imported:
+which ``model_type`` values, and which weights each reads (a base must hold exactly those).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from adapterpack.errors import BadInput
 
-# model_type -> human name. All share the Llama layout (pre-norm, rotary, gated MLP); Qwen2 adds
-# q/k/v biases (inside the Linear layers), Qwen3 adds per-head q/k RMS norms.
-SUPPORTED_FAMILIES = {
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family of the Llama layout (pre-norm, rotary, gated MLP) as transformers builds
+    it: which optional weights its layers carry. A bias field is True (always), False (never)
+    or the config key that switches it (as transformers' ``modeling_*.py`` reads it)."""
+
+    title: str
+    qkv_bias: bool | str = False
+    o_bias: bool | str = False
+    mlp_bias: bool | str = False
+    qk_norm: bool = False  # per-head RMS norms of q and k (Qwen3)
+    tie_default: bool = False  # tie_word_embeddings when config.json does not say
+
+    def has(self, switch: bool | str, config: dict) -> bool:
+        return switch if isinstance(switch, bool) else bool(config.get(switch, False))
+
+
+# model_type -> family; from transformers 5.x modeling_{llama,mistral,qwen2,qwen3}.py.
+FAMILIES = {
+    "llama": Family("Llama", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias"),
+    "mistral": Family("Mistral"),
+    "qwen2": Family("Qwen2", qkv_bias=True),
+    "qwen3": Family("Qwen3", qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
 }
+SUPPORTED_FAMILIES = {key: family.title for key, family in FAMILIES.items()}
 
 
 def unsupported_message(model_type: object) -> str:
@@ -45,4 +66,54 @@ def check_family(config: dict, config_file: Path) -> str:
         if (value is None and key in OPTIONAL_SIZES) or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             continue
         raise BadInput(f"{config_file}: {key!r} must be a positive integer, found {value!r}")
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            raise BadInput(f"{config_file}: {key!r} must be true or false, found {config[key]!r}")
     return model_type
+
+
+def tied_embeddings(config: dict) -> bool:
+    """Whether the output head is the embedding (``tie_word_embeddings``, else the family's default)."""
+    family = FAMILIES[config["model_type"]]
+    tied = config.get("tie_word_embeddings")
+    return family.tie_default if tied is None else bool(tied)
+
+
+def read_weights(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every weight the family's transformers model reads for ``config``, with the shape the
+    config implies (``check_family`` has checked the sizes are positive integers); the output
+    head only when it is not tied to the embedding."""
+    family = FAMILIES[config["model_type"]]
+    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    intermediate = config["intermediate_size"]
+    q, kv = heads * head_dim, kv_heads * head_dim
+    weights = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tied_embeddings(config):
+        weights["lm_head.weight"] = (vocab, hidden)
+    per_layer = {
+        "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+        "mlp.gate_proj.weight": (intermediate, hidden), "mlp.up_proj.weight": (intermediate, hidden),
+        "mlp.down_proj.weight": (hidden, intermediate), "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    if family.has(family.qkv_bias, config):
+        per_layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if family.has(family.o_bias, config):
+        per_layer["self_attn.o_proj.bias"] = (hidden,)
+    if family.has(family.mlp_bias, config):
+        per_layer |= {"mlp.gate_proj.bias": (intermediate,), "mlp.up_proj.bias": (intermediate,), "mlp.down_proj.bias": (hidden,)}
+    if family.qk_norm:
+        per_layer |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
+    for layer in range(layers):
+        weights.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
+    return weights
+
+
+def ignored_weight(name: str, config: dict) -> bool:
+    """A stored tensor transformers drops on purpose: rotary frequencies older exports saved
+    (recomputed from the config), and a copy of the embedding as the head of a tied model."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and tied_embeddings(config))

@@ -24,10 +24,10 @@ from pydantic import (
 )
 
 from adapterpack.config.devices import find_device
+from adapterpack.config.names import check_function_name, check_package_name
+from adapterpack.config.paths import resolved
 from adapterpack.errors import BadInput
 
-FUNCTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Swift keywords cannot be enum case names without backticks; they are still valid function names.
 DEPLOYMENT_TARGETS = ("iOS18", "macOS15", "tvOS18", "watchOS11", "visionOS2", "iOS26", "macOS26")
 PALETTIZE_NBITS = (1, 2, 3, 4, 6, 8)
 LINEAR_NBITS = (4, 8)
@@ -46,7 +46,9 @@ COMPENSATED_LINEAR_MAX_NBITS = 4
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every number finite: a manifest's numbers reach package metadata and release files, which
+    # strict JSON readers read (JSON has no NaN or infinity).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # The fields that say how a weight is compressed (what a per-layer exception may change).
@@ -395,7 +397,7 @@ class VerifySettings(_Strict):
     min_top1: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1, description="Top-1 agreement")
     min_cosine: StrictFloat | StrictInt | None = Field(default=None, ge=-1, le=1, description="Mean logit cosine")
     min_retention: StrictFloat | StrictInt | None = Field(
-        default=None, description="Share of the adapter's effect on the logits that must survive"
+        default=None, ge=-1, le=1, description="Share of the adapter's effect on the logits that must survive"
     )
 
     def thresholds_for(self, compression: Compression) -> dict[str, float]:
@@ -409,7 +411,10 @@ class VerifySettings(_Strict):
 class Manifest(_Strict):
     """A validated manifest. Paths are absolute; per-function compression is resolved."""
 
-    name: StrictStr = Field(description="Package name, written to the package metadata")
+    name: StrictStr = Field(
+        description="Package name: the package's and the release's file names, and the package metadata "
+        "(letters, digits, '.', '_', '-', starting with a letter or digit)"
+    )
     base: Base
     adapters: tuple[Adapter, ...] = ()
     include_base: StrictStr | None = Field(
@@ -441,9 +446,7 @@ class Manifest(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not value.strip() or "/" in value or "\\" in value:
-            raise ValueError(f"'{value}' is not a valid package name (non-empty, no slashes)")
-        return value
+        return check_package_name(value)
 
     @field_validator("include_base")
     @classmethod
@@ -488,6 +491,11 @@ class Manifest(_Strict):
                 where = f"adapter '{name}' calibration" if adapter is not None else "base.calibration"
                 raise ValueError(f"compression auto measures '{name}' on its own text: name a text file as {where}")
         named = format_of(self.output) if self.output else None
+        if self.output is not None and named is None:
+            raise ValueError(
+                f"output '{self.output}': a package is a folder named *.{' or *.'.join(PACKAGE_FORMATS)} "
+                "(a release's zip is written by `adapterpack release`)"
+            )
         if named is not None and named != self.export.format:
             raise ValueError(f"output '{self.output}' is a .{named} but export.format is {self.export.format}")
         return self
@@ -511,17 +519,17 @@ class Manifest(_Strict):
         return next((a for a in self.adapters if a.name == name), None)
 
     def adapter_path(self, adapter: Adapter) -> Path:
-        return (self.folder / Path(adapter.path).expanduser()).resolve()
+        return resolved(adapter.path, "adapter path", self.folder)
 
     def calibration_paths(self) -> dict[str | None, Path]:
         """The calibration text files the manifest names, by function: the base's under
         ``include_base`` (None when the base is not shipped), each adapter's under its name."""
         found: dict[str | None, Path] = {}
         if self.base.calibration is not None:
-            found[self.include_base] = (self.folder / Path(self.base.calibration).expanduser()).resolve()
+            found[self.include_base] = resolved(self.base.calibration, "calibration path", self.folder)
         for adapter in self.adapters:
             if adapter.calibration is not None:
-                found[adapter.name] = (self.folder / Path(adapter.calibration).expanduser()).resolve()
+                found[adapter.name] = resolved(adapter.calibration, "calibration path", self.folder)
         return found
 
     def lora_mode(self, name: str) -> Literal["fuse", "keep"]:
@@ -556,10 +564,10 @@ class Manifest(_Strict):
         """Where the build writes: ``override``, else the manifest's ``output``, else
         ``build/<name>.<export.format>`` (``with_format`` applies ``--format``)."""
         if override is not None:
-            return Path(override).expanduser().resolve()
+            return resolved(override, "output")
         if self.output is not None:
-            return (self.folder / Path(self.output).expanduser()).resolve()
-        return (self.folder / "build" / f"{self.name}.{self.export.format}").resolve()
+            return resolved(self.output, "output", self.folder)
+        return resolved(self.folder / "build" / f"{self.name}.{self.export.format}", "output")
 
     def with_format(self, package_format: str, contract: str | None = None) -> Manifest:
         """This manifest writing ``package_format`` (the command line's ``--format``) under
@@ -577,15 +585,6 @@ class Manifest(_Strict):
 def _auto_shorthand(value: Any) -> Any:
     """``compression: auto`` is palettization with ``auto``'s default targets."""
     return {"auto": {}} if value == "auto" else value
-
-
-def check_function_name(value: str) -> str:
-    if not FUNCTION_NAME.match(value):
-        raise ValueError(
-            f"function name '{value}' is not usable from Swift: use letters, digits and '_', "
-            "not starting with a digit"
-        )
-    return value
 
 
 # ---------------------------------------------------------------- YAML with line numbers
@@ -693,7 +692,7 @@ def load_manifest(path: str | Path) -> Manifest:
         raise BadInput(_describe_validation_error(error, file, lines, raw)) from None
     except ValueError as error:
         raise BadInput(f"{file}: {error}") from None
-    manifest = manifest.model_copy(update={"source": file.resolve()})
+    manifest = manifest.model_copy(update={"source": resolved(file, "manifest path")})
     _check_paths(manifest, file, lines)
     return manifest
 
@@ -743,7 +742,7 @@ def _check_paths(manifest: Manifest, file: Path, lines: dict[tuple, int]) -> Non
         if not path.is_file():
             raise BadInput(f"{where}: {field}: {path} {'is not a file' if path.exists() else 'does not exist'}")
     base = manifest.base.path
-    local = (manifest.folder / Path(base).expanduser()).resolve()
+    local = resolved(base, "base path", manifest.folder)
     line = lines.get(("base", "path"))
     where = f"{file}:{line}" if line else str(file)
     if local.exists() and not local.is_dir():

@@ -11,6 +11,7 @@ its own KV cache; both sampled the same way.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise BadInput(f"--temperature {self.temperature}: give 0 (greedy) or more")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise BadInput(f"--temperature {self.temperature}: give 0 (greedy) or a finite positive number")
         if self.top_k is not None and self.top_k < 1:
             raise BadInput(f"--top-k {self.top_k}: give 1 or more")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -223,6 +224,8 @@ def generate(
 
     if compare and checked is None:
         raise BadInput("--compare needs --manifest: the reference is made from its base and adapters")
+    if max_new_tokens < 1:
+        raise BadInput(f"--max-new-tokens {max_new_tokens}: give 1 or more")
     text = package_text(package, checked)
     text.check_function(function)
     prompt_ids = text.encode_chat(prompt) if chat else text.encode(prompt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,25 @@ HF_NAME_KEY = "co.huggingface.exporters.name"
 
 
 METADATA_PREFIX = "co.adapterpack."
+
+
+def finite(value: object) -> object:
+    """``value`` with every float that is not finite (NaN, infinity) replaced by None: JSON has
+    no such numbers, and strict readers (Swift's ``JSONDecoder``, ``jq``) refuse Python's
+    ``NaN``/``Infinity``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
+
+
+def strict_json(value: object, **options) -> str:
+    """``json.dumps`` of ``value`` as standard JSON (``finite``): what adapterpack writes into a
+    package, a release or a report is read by strict parsers."""
+    return json.dumps(finite(value), allow_nan=False, **options)
 
 
 def package_metadata(
@@ -34,9 +54,9 @@ def package_metadata(
         METADATA_PREFIX + "name": manifest_name,
         METADATA_PREFIX + "defaultFunction": default_function,
         METADATA_PREFIX + "maxContext": str(max_context),
-        METADATA_PREFIX + "base": json.dumps(dict(base), sort_keys=True),
-        METADATA_PREFIX + "functions": json.dumps({k: dict(v) for k, v in functions.items()}, sort_keys=True),
-        METADATA_PREFIX + "versions": json.dumps(dict(versions), sort_keys=True),
+        METADATA_PREFIX + "base": strict_json(dict(base), sort_keys=True),
+        METADATA_PREFIX + "functions": strict_json({k: dict(v) for k, v in functions.items()}, sort_keys=True),
+        METADATA_PREFIX + "versions": strict_json(dict(versions), sort_keys=True),
     }
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adapterpack.config.families import ignored_weight, read_weights
+from adapterpack.config.paths import resolved
 from adapterpack.errors import BadInput
 from adapterpack.inputs.safetensors import (
     _T,
@@ -39,6 +41,36 @@ class BaseInfo:
     content_hash: str  # sha256 over config.json + weight files
     source: str  # what the manifest said (path or hub id)
     revision: str | None
+    from_hub: bool = False  # a hub snapshot: its files are links into the repository's blob store
+
+    def shipped_file(self, name: str) -> bytes | None:
+        """The bytes of file ``name`` of the base folder, for a release to ship (a tokenizer
+        file), or None when there is none. Only a regular file from inside the base's own
+        folder, at most ``MAX_SHIPPED_FILE_BYTES``: a link leading outside it (to
+        ``/etc/passwd``, to another project) or a special file is refused, never copied."""
+        return read_shipped_file(self.folder, name, self.folder.parent.parent if self.from_hub else self.folder)
+
+
+# The largest file a release copies from an input folder (Gemma 3's tokenizer.json is 33 MB).
+MAX_SHIPPED_FILE_BYTES = 256 << 20
+
+
+def read_shipped_file(folder: Path, name: str, root: Path) -> bytes | None:
+    """``folder / name``'s bytes when it is a regular file lying inside ``root`` once links are
+    followed, of at most ``MAX_SHIPPED_FILE_BYTES``; None when there is no such entry; BadInput
+    naming it otherwise."""
+    path = folder / name
+    if not (path.exists() or path.is_symlink()):
+        return None
+    target, root = resolved(path, "file"), resolved(root, "folder")
+    if not (target == root or root in target.parents):
+        raise _bad(path, f"links outside its folder (to {target}): a release copies only files from inside its inputs")
+    if not target.is_file():
+        raise _bad(path, "is not a regular file (a folder, FIFO, socket, device or dangling link): a release copies only regular files")
+    size = target.stat().st_size
+    if size > MAX_SHIPPED_FILE_BYTES:
+        raise _bad(path, f"is {size / 2**20:.0f} MiB: a release copies files of at most {MAX_SHIPPED_FILE_BYTES >> 20} MiB from its inputs")
+    return target.read_bytes()
 
 
 def _looks_local(source: str) -> bool:
@@ -78,15 +110,13 @@ def resolve_base(source: str, revision: str | None, manifest_dir: Path) -> BaseI
         raise BadInput(
             "base: the manifest gives no base model (expected a local folder or a hub id)"
         )
-    path = Path(source).expanduser()
-    if not path.is_absolute():
-        path = Path(manifest_dir) / path
+    path = resolved(source, "base path", Path(manifest_dir))
     if path.exists():
         if not path.is_dir():
             raise _bad(
                 path, "base is a file; expected a folder with config.json and model.safetensors"
             )
-        return _inspect_base_folder(path.resolve(), source, revision, from_hub=False)
+        return _inspect_base_folder(path, source, revision, from_hub=False)
     if _looks_local(source):
         raise _bad(
             path,
@@ -163,6 +193,7 @@ def _inspect_base_folder(
         content_hash=sha256_files((config_file, *weight_files)),
         source=source,
         revision=revision,
+        from_hub=from_hub,
     )
 
 
@@ -232,41 +263,30 @@ def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str
     return tuple(files), tensors
 
 
-def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The shape the config implies for each weight of the Llama layout every supported family
-    shares (``check_family`` has checked the sizes are positive integers)."""
-    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    intermediate = config["intermediate_size"]
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    per_layer = {
-        "self_attn.q_proj.weight": (heads * head_dim, hidden), "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden), "self_attn.o_proj.weight": (hidden, heads * head_dim),
-        "self_attn.q_proj.bias": (heads * head_dim,), "self_attn.k_proj.bias": (kv_heads * head_dim,),
-        "self_attn.v_proj.bias": (kv_heads * head_dim,), "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
-        "mlp.gate_proj.weight": (intermediate, hidden), "mlp.up_proj.weight": (intermediate, hidden),
-        "mlp.down_proj.weight": (hidden, intermediate), "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-    }
-    for layer in range(layers):
-        shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
-    return shapes
-
-
 def check_weight_shapes(base: BaseInfo) -> None:
-    """BadInput naming the first weight whose stored shape is not what config.json implies (a
-    ``vocab_size`` that disagrees with the embedding, say), or a projection the config's layers
-    need that no weight file holds: transformers would refuse the folder at load, after the
-    checks and with a message pointing at a report it does not print."""
+    """BadInput unless the weight files hold exactly the weights the family reads for this
+    config, each of the shape the config implies: the first weight of another shape (a
+    ``vocab_size`` that disagrees with the embedding), the first one missing (transformers would
+    fill it at random, and the reference would share the random weight, so nothing after would
+    notice) or the first one the family does not read (another architecture's weights under
+    this ``model_type``)."""
     config_file = base.folder / "config.json"
-    expected = expected_shapes(base.config)
+    expected = read_weights(base.config)
     for name, info in sorted(base.tensors.items()):
         if name in expected and tuple(info.shape) != expected[name]:
             raise _bad(info.file, f"{name} has shape {tuple(info.shape)}, but {config_file.name} implies {expected[name]}")
-    required = [name for name in expected if name.endswith(("q_proj.weight", "down_proj.weight")) or name == "model.embed_tokens.weight"]
-    missing = [name for name in required if name not in base.tensors]
+    missing = [name for name in expected if name not in base.tensors]
     if missing:
-        raise _bad(config_file, f"{len(missing)} weight(s) the config's layers need are in no weight file (first: {missing[0]})")
-
+        raise _bad(
+            config_file,
+            f"{len(missing)} weight(s) the config's layers need are in no weight file (first: {missing[0]}): "
+            "a base must be complete",
+        )
+    unread = sorted(name for name in base.tensors if name not in expected and not ignored_weight(name, base.config))
+    if unread:
+        model_type = base.config.get("model_type")
+        raise _bad(
+            base.tensors[unread[0]].file,
+            f"{len(unread)} tensor(s) a {model_type} model does not read (first: {unread[0]}): "
+            f"weights of another architecture, or a config.json that does not describe them",
+        )

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from adapterpack.config.compression import exception_matches
 from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE, cache_length_findings
 from adapterpack.config.devices import estimated_weight_bytes, find_device, largest_context_that_fits
 from adapterpack.config.families import check_family
@@ -33,6 +34,17 @@ class CheckedInputs:
     # by function: what compression auto chose and measured (assemble.auto), once it has run
     auto_figures: dict[str, dict] = field(default_factory=dict)
 
+    def input_paths(self) -> tuple[Path, ...]:
+        """Everything a build reads, as the user named it: the manifest, the base folder, each
+        adapter's folder (an mlx-lm adapter's own, not its peft form) and the calibration
+        texts. No output may be written over, into or around any of them
+        (``config.paths.refuse_overlap``)."""
+        found = [self.base.folder, *(info.origin for info in self.adapters.values())]
+        found += [text.path for text in self.calibration.values()]
+        if self.manifest.source is not None:
+            found.append(Path(self.manifest.source))
+        return tuple(found)
+
     def with_format(self, package_format: str, contract: str | None = None) -> CheckedInputs:
         """The same inputs, the manifest writing ``package_format`` (mlpackage | aimodel) under
         ``contract`` (None: the manifest's)."""
@@ -54,6 +66,7 @@ def check_inputs(
     base = resolve_base(manifest.base.path, manifest.base.revision, manifest.folder)
     check_family(base.config, base.folder / "config.json")
     check_weight_shapes(base)
+    check_layer_exceptions(manifest, base)
     adapters = {}
     for adapter in manifest.adapters:
         # The hub id the tokenizer is named by is also a name of the base.
@@ -77,6 +90,40 @@ def check_inputs(
         manifest = _resolve_auto_context(manifest, base, adapters)
     calibration = {function: read_calibration(path) for function, path in manifest.calibration_paths().items()}
     return CheckedInputs(manifest=manifest, base=base, adapters=adapters, calibration=calibration)
+
+
+def check_layer_exceptions(manifest: Manifest, base: BaseInfo) -> dict[str, dict[str, list[str]]]:
+    """{function: {pattern: the weights it decides}} of the per-layer compression exceptions
+    (``compression.layers``); BadInput naming the first that decides no weight of the base: a
+    misspelt name, a weight kept float16 anyway, or one an earlier pattern already takes. Such an
+    exception would change nothing, yet be reported."""
+    weights = {name: tuple(info.shape) for name, info in base.tensors.items()}
+    found: dict[str, dict[str, list[str]]] = {}
+    for function in manifest.function_names:
+        compression = manifest.compression_for(function)
+        if not compression.layers:
+            continue
+        found[function] = exception_matches(weights, compression)
+        for pattern, decided in found[function].items():
+            if not decided:
+                raise BadInput(
+                    f"{_where(manifest, pattern)}: compression.layers: '{pattern}' (function '{function}') decides no "
+                    "weight of the base: it matches none that is compressed, or an earlier pattern takes them "
+                    "(patterns match weight names as keep_float16's, e.g. model.layers.0.mlp.down_proj)"
+                )
+    return found
+
+
+def _where(manifest: Manifest, text: str) -> str:
+    """``file:line`` of the manifest's first line mentioning ``text`` (the file alone if none)."""
+    if manifest.source is None:
+        return "manifest"
+    try:
+        lines = Path(manifest.source).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return str(manifest.source)
+    number = next((i for i, line in enumerate(lines, 1) if text in line), None)
+    return f"{manifest.source}:{number}" if number else str(manifest.source)
 
 
 def read_adapter(folder: Path, format: str | None, base, *, allow_pickle: bool, base_names: tuple[str, ...]):

@@ -212,14 +212,17 @@ def _names_another_base(model: str | None, base, manifest_names: tuple[str, ...]
     quantized = f"{model}, a quantized model: the adapter was trained against its quantized weights, not the base's own that the package uses"
     if re.search(r"-(3|4|6|8)bit$", model.rstrip("/")):
         return quantized
-    folder = Path(model).expanduser()
-    if folder.is_dir():
+    try:  # a model named in the adapter's own config: a path that cannot be followed is just a name
+        folder = Path(model).expanduser().resolve()
+    except (RuntimeError, OSError, ValueError):
+        folder = None
+    if folder is not None and folder.is_dir():
         try:
             if "quantization" in json.loads((folder / "config.json").read_text()):
                 return quantized
         except (OSError, ValueError):
             pass
-        if folder.resolve() == base.folder.resolve():
+        if folder == base.folder.resolve():
             return None
     names = {n.rstrip("/") for n in manifest_names if n}
     if model.rstrip("/") in names or Path(model).name in {Path(n).name for n in names}:

@@ -83,19 +83,21 @@ def bundle_metadata_schema() -> dict:
 
 def write_apple_bundles(
     folder: Path, *, asset_name: str, functions: list[str], name: str, tokenizer_id: str, vocab_size: int,
-    max_context: int, tokenizer_source: Path,
+    max_context: int, tokenizer_source,
 ) -> list[Path]:
     """One bundle folder per function inside ``folder`` (which holds ``asset_name``); returns
-    every file written. Each ``metadata.json`` is checked against ``BundleMetadata``."""
+    every file written. ``tokenizer_source``: the base (``inputs.base.BaseInfo``), whose
+    tokenizer files are copied as it ships them. Each ``metadata.json`` is checked against
+    ``BundleMetadata``."""
     written: list[Path] = []
     for function in functions:
         bundle = folder / function
         tokenizer = bundle / TOKENIZER_FOLDER
         tokenizer.mkdir(parents=True)
         for file_name in TOKENIZER_FILES:
-            source = tokenizer_source / file_name
-            if source.is_file():
-                (tokenizer / file_name).write_bytes(source.read_bytes())
+            data = tokenizer_source.shipped_file(file_name)
+            if data is not None:
+                (tokenizer / file_name).write_bytes(data)
                 written.append(tokenizer / file_name)
         metadata = BundleMetadata(
             metadata_version=METADATA_VERSION,

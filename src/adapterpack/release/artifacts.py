@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import zipfile
 from dataclasses import dataclass
@@ -19,11 +20,13 @@ from pathlib import Path
 
 from adapterpack.assemble.disk import float16_model_bytes
 from adapterpack.assemble.pipeline import build
-from adapterpack.assemble.plan import chosen_format
+from adapterpack.assemble.plan import chosen_format, refuse_inside_a_cache
 from adapterpack.assemble.records import BuildOptions, BuildResult, Reporter
 from adapterpack.assemble.staging import Staging
+from adapterpack.config.paths import refuse_overlap, resolved
 from adapterpack.errors import BadInput, OutOfResources, OutputExists
-from adapterpack.formats.metadata import library_versions
+from adapterpack.formats.metadata import library_versions, strict_json
+from adapterpack.formats.registry import written_by_adapterpack
 from adapterpack.inputs.checked import check_inputs
 from adapterpack.inputs.safetensors import sha256_files
 
@@ -105,12 +108,14 @@ def release(
     from adapterpack.release.bundle import write_bundle
 
     reporter = reporter or Reporter()
-    out_dir = Path(out_dir).resolve()
+    out_dir = resolved(out_dir, "--out-dir")
     checked, package_name = _checked_release(manifest, out_dir, options, bundle=bundle, eval_text=eval_text)
     name = checked.manifest.name
     targets = [out_dir / f"{package_name}.zip", out_dir / BUILD_INFO, out_dir / SUMS]
     bundle_target = out_dir / name
-    existing = [t for t in [*targets, bundle_target] if t.exists()]
+    written = [*targets, *([bundle_target] if bundle else [])]
+    check_release_targets(written, out_dir / f"{name}.release", checked, package_name, eval_text, options)
+    existing = [t for t in written if t.exists() or t.is_symlink()]
     if existing and not options.force:
         raise OutputExists(f"{existing[0]} exists: pass --force to replace the release in {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +155,55 @@ def release(
     )
 
 
+def check_release_targets(
+    targets: list[Path], staging: Path, checked, package_name: str, eval_text: Path | None, options: BuildOptions
+) -> None:
+    """Refuse a release that would write over, into or around an input (the manifest, the base,
+    an adapter, a calibration or eval text) or the build cache, or replace a file that is not
+    part of an earlier release, with or without --force: --force replaces an earlier release,
+    never anything else."""
+    inputs = [*checked.input_paths(), *([eval_text] if eval_text is not None else [])]
+    for target in [*targets, staging]:
+        refuse_overlap(target, inputs, "release file")
+        refuse_inside_a_cache(target, "release file")
+        if options.cache_dir is not None and options.use_cache:
+            refuse_overlap(target, [options.cache_dir], "release file (the build cache)")
+    if options.cache_dir is not None and options.use_cache:
+        refuse_overlap(options.cache_dir, inputs, "build cache")
+    for target in targets:
+        if (target.exists() or target.is_symlink()) and not _earlier_release_file(target, package_name):
+            raise BadInput(
+                f"{target} exists and is not a file of an earlier release: it is never replaced, even with --force; "
+                "choose another --out-dir or remove it yourself"
+            )
+
+
+def _earlier_release_file(target: Path, package_name: str) -> bool:
+    """Whether ``target`` is what a release writes under its name: the zip of the package, a
+    build-info.json, a SHA256SUMS of sums, the bundle folder holding the package adapterpack
+    wrote."""
+    if target.is_symlink():
+        return False
+    try:
+        if target.name == SUMS:
+            lines = target.read_text(encoding="utf-8").splitlines()
+            return bool(lines) and all(_SUM_LINE.fullmatch(line) for line in lines)
+        if target.name == BUILD_INFO:
+            info = json.loads(target.read_text(encoding="utf-8"))
+            return isinstance(info, dict) and {"name", "versions", "functions"} <= set(info)
+        if target.suffix == ".zip":
+            with zipfile.ZipFile(target) as archive:
+                names = archive.namelist()
+            return bool(names) and all(n.split("/", 1)[0] == package_name for n in names)
+        return target.is_dir() and written_by_adapterpack(target / package_name)
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return False
+
+
+# A line of SHA256SUMS as `sha256sum -c` reads it.
+_SUM_LINE = re.compile(r"[0-9a-f]{64}  [^\n]+")
+
+
 def _checked_release(manifest, out_dir: Path, options: BuildOptions, *, bundle: bool, eval_text: Path | None):
     """(checked inputs writing the chosen format, the package's file name): every check a
     release makes before anything is built."""
@@ -173,7 +227,7 @@ def _write_provenance(folder: Path, zip_path: Path, info: dict, bundle_files: di
     """Write build-info.json and SHA256SUMS (over the zip, build-info and every bundle file)
     into ``folder``; returns (zip, build-info, sums)."""
     info_path = folder / BUILD_INFO
-    info_path.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    info_path.write_text(strict_json(info, indent=2, sort_keys=True) + "\n")
     sums_path = folder / SUMS
     sums = {p.name: sha256_files([p]) for p in (zip_path, info_path)} | bundle_files
     sums_path.write_text("".join(f"{digest}  {path}\n" for path, digest in sorted(sums.items())))

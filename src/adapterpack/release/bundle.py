@@ -21,11 +21,12 @@ import logging
 from pathlib import Path
 
 from adapterpack.assemble.parts import place
+from adapterpack.config.names import swift_case_name
 from adapterpack.errors import BadInput
 from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.safetensors import sha256_files
 from adapterpack.report.memory import human_size
-from adapterpack.report.swift import swift_case_name, swift_enum
+from adapterpack.report.swift import swift_enum
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ SWIFT_TYPE = "AdapterFunction"
 def check_tokenizer_files(checked) -> None:
     """BadInput (before anything is built) when the base has no tokenizer to bundle."""
     folder = checked.base.folder
+    # Every file the bundle would carry is read now as it will be copied: a link leading outside
+    # the base, a special file or an outsized one is refused before anything is built.
+    for name in TOKENIZER_FILES:
+        checked.base.shipped_file(name)
     if not any((folder / name).is_file() for name in REQUIRED_ANY):
         raise BadInput(
             f"{folder}: no tokenizer files ({', '.join(REQUIRED_ANY)}) for the release bundle: an app cannot "
@@ -61,9 +66,9 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
     place(package, folder / package.name)
     copied = []
     for name in TOKENIZER_FILES:
-        source = checked.base.folder / name
-        if source.is_file():
-            (folder / name).write_bytes(source.read_bytes())
+        data = checked.base.shipped_file(name)
+        if data is not None:
+            (folder / name).write_bytes(data)
             copied.append(name)
     listing = read_functions(folder / package.name)
     (folder / f"{SWIFT_TYPE}.swift").write_text(swift_enum(listing, SWIFT_TYPE) + "\n")
@@ -75,7 +80,7 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
         write_apple_bundles(
             folder, asset_name=package.name, functions=list(checked.manifest.function_names), name=checked.manifest.name,
             tokenizer_id=hf_name(checked), vocab_size=int(checked.base.config["vocab_size"]),
-            max_context=int(checked.manifest.export.max_context), tokenizer_source=checked.base.folder,
+            max_context=int(checked.manifest.export.max_context), tokenizer_source=checked.base,
         )
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     hashes = {p.relative_to(folder.parent).as_posix(): sha256_files([p]) for p in files}

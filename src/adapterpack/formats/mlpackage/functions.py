@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from adapterpack.errors import BadInput
 from adapterpack.formats.listing import Feature, FunctionInfo, PackageFunctions
-from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path
+from adapterpack.formats.mlpackage.spec import check_package_manifest, load_spec_file, spec_path
+from adapterpack.inputs.safetensors import refuse_special_file
 
 _DTYPES = {65568: "float32", 65552: "float16", 131104: "int32", 65600: "float64"}
 
@@ -33,8 +35,18 @@ def _array_feature(description) -> Feature:
 def package_functions(path: Path) -> PackageFunctions:
     """Functions, default function and metadata of a ``.mlpackage`` (or an ``.mlmodel`` file)."""
     # The spec alone, read without importing coremltools' converters (and with them torch).
-    spec = load_spec_file(spec_path(path) if path.is_dir() else path)
+    if path.is_dir():
+        check_package_manifest(path)
+        spec = load_spec_file(spec_path(path))
+    elif path.is_file():
+        refuse_special_file(path, "a Core ML package or model file")
+        spec = load_spec_file(path)
+    else:
+        raise BadInput(f"{path}: not a Core ML package (a folder) or model file")
     description = spec.description
+    if spec.specificationVersion == 0 or not (len(description.functions) or len(description.input) or len(description.output)):
+        # An empty file parses as an empty spec: it declares nothing, and is no model.
+        raise BadInput(f"{path}: not a Core ML model (its spec declares no function, input or output)")
     functions: list[FunctionInfo] = []
     if len(description.functions):
         for function in description.functions:

@@ -66,18 +66,14 @@ def refuse_special_files(package: Path) -> None:
 
 
 def spec_path(package: Path) -> Path:
-    """The root model spec, as Manifest.json names it (the usual Data/com.apple.CoreML/model.mlmodel)."""
-    refuse_special_files(package)
+    """The root model spec, as Manifest.json names it (the usual Data/com.apple.CoreML/model.mlmodel);
+    BadInput when the package's Manifest.json is not one Core ML would read."""
+    check_package_manifest(package)
     default = package.joinpath(*MODEL_FOLDER, SPEC_NAME)
-    manifest = package / "Manifest.json"
-    try:
-        info = json.loads(manifest.read_text())
-        entry = info["itemInfoEntries"][info["rootModelIdentifier"]]
-        named = package / "Data" / entry["path"]
-        if named.is_file():
-            return named
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    info = json.loads((package / "Manifest.json").read_bytes())
+    named = package / "Data" / info["itemInfoEntries"][info["rootModelIdentifier"]]["path"]
+    if named.is_file():
+        return named
     if not default.is_file():
         raise BadInput(f"{package}: not a Core ML package (no {'/'.join(MODEL_FOLDER)}/{SPEC_NAME})")
     return default
