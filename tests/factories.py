@@ -65,16 +65,16 @@ def make_base(folder: Path, family: str = "llama", seed: int = 0, **overrides) -
 TRIGGER_EVERY = 8
 
 
-def plant_massive_activation(model, target: float = 20000.0, channel: int = 5) -> None:
+def plant_massive_activation(model, target: float = 20000.0, channel: int = 5, triggers=None) -> None:
     """Give a random model the "massive activations" of real checkpoints (Sun et al., 2024): the
     first layer's MLP writes about ``target`` into one residual channel for trigger tokens (every
-    ``TRIGGER_EVERY``-th id), and the residual stream carries it on, as in pretrained Llama,
-    Mistral and Qwen checkpoints. Random weights alone never pass a few hundred."""
+    ``TRIGGER_EVERY``-th id, or the ids ``triggers``), and the residual stream carries it on, as
+    in pretrained Llama, Mistral and Qwen checkpoints. Random weights alone never pass a few hundred."""
     with torch.no_grad():
         hidden = model.config.hidden_size
         embed = model.model.embed_tokens.weight
         embed[:, channel + 1] = 0.0
-        embed[::TRIGGER_EVERY, channel + 1] = 2.0  # the trigger direction dominates those tokens' norm
+        embed[slice(None, None, TRIGGER_EVERY) if triggers is None else list(triggers), channel + 1] = 2.0  # the trigger direction dominates those tokens' norm
         mlp = model.model.layers[0].mlp
         unit = 0
         mlp.gate_proj.weight[unit].zero_()

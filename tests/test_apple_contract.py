@@ -12,7 +12,7 @@ from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
 from adapterpack.verify.coreai_engine import PipelinedEngine, SequentialEngine, check_signature
 from adapterpack.verify.drives import APPLE_DRIVES, run_drive, verification_tokens
-from adapterpack.verify.reference import reference_logits
+from adapterpack.verify.reference import random_references
 from adapterpack.verify.runners import function_sessions
 from factories import FAMILIES, make_family_project, make_project, run_cli
 from test_coreai import assert_exact
@@ -90,7 +90,7 @@ def test_caches_grown_from_two_slots_give_the_same_logits(apple_asset, engine):
     whole = run_drive(sessions("rs")(), tokens, 9, "apple")
     assert np.isfinite(grown).all()
     np.testing.assert_allclose(grown, whole, atol=2e-3)
-    _, _, references = reference_logits(checked, ["rs"])
+    _, _, references = random_references(checked, ["rs"])
     reference = references["rs"][: len(tokens)]
     cosine = float((grown * reference).sum() / np.linalg.norm(grown) / np.linalg.norm(reference))
     assert cosine >= 0.9999
@@ -259,7 +259,7 @@ def test_a_release_has_a_bundle_per_function_that_runs_as_peft_computes(apple_re
     asset = folder / f"{checked.manifest.name}.aimodel"
     names = list(checked.manifest.function_names)
     tokens = verification_tokens(int(checked.base.config["vocab_size"]), checked.manifest.verify)
-    _, base_reference, references = reference_logits(checked, [n for n in names if n != "base"])
+    _, base_reference, references = random_references(checked, [n for n in names if n != "base"])
     references["base"] = base_reference
     sums = (released.sums).read_text()
     for function in names:

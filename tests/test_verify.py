@@ -240,7 +240,7 @@ def test_reference_computed_layer_by_layer_equals_the_float32_model(family_build
     from adapterpack.convert.base_model import load_base
     from adapterpack.convert.lora import applied_adapter
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify.reference import reference_logits, stored_dtype
+    from adapterpack.verify.reference import random_references, stored_dtype
 
     family, root, _ = family_build
     # the family's base, stored in float16 as published models are
@@ -256,7 +256,7 @@ def test_reference_computed_layer_by_layer_equals_the_float32_model(family_build
     checked = check_inputs(tmp_path / "m.yaml")
     assert stored_dtype(checked.base) == "float16"  # so the layered path is the one under test
     names = checked.manifest.function_names
-    tokens, base_logits, adapter_logits = reference_logits(checked, names)
+    tokens, base_logits, adapter_logits = random_references(checked, names)
     full = load_base(checked.base.folder)  # float32 throughout
     ids = torch.from_numpy(tokens[None, :])
     # in parts, the float32 kernel blocks each product its own way: last-bit differences
@@ -317,7 +317,7 @@ def test_references_side_by_side_equal_each_adapter_alone(tmp_path_factory, monk
     passes = []
     embedding = torch.nn.Embedding.forward
     monkeypatch.setattr(torch.nn.Embedding, "forward", lambda self, ids: passes.append(ids.shape[0]) or embedding(self, ids))
-    tokens, base_logits, adapter_logits = reference.reference_logits(checked, checked.manifest.function_names)
+    tokens, base_logits, adapter_logits = reference.random_references(checked, checked.manifest.function_names)
     # one pass for the base and the three mixable adapters (or one per adapter, beside the base
     # row, at two rows a pass), then DoRA and modules_to_save alone
     assert passes == ([4, 1, 1] if rows_per_pass == 16 else [2, 2, 2, 1, 1])

@@ -94,7 +94,7 @@ FLOAT16_CHECK = 1
 
 def check_value_ranges(checked: CheckedInputs, functions: list[str], reporter: Reporter, cache=None) -> None:
     """Before converting ``functions``: their weights must fit float16, then (for a program
-    computing in float16) every value their references compute on a calibration prompt
+    computing in float16) every value their references compute on random ids and real text
     (``verify.ranges``), so a weight beyond float16 is named as such, not by its activations."""
     from adapterpack.verify.ranges import check_reference_values
 
@@ -103,7 +103,7 @@ def check_value_ranges(checked: CheckedInputs, functions: list[str], reporter: R
     export = checked.manifest.export
     if export.compute_precision == "float32":  # only a format computing as stored allows it (Export.check_for_format)
         return
-    with reporter.stage(f"range check: {len(functions)} reference(s) on a calibration prompt"):
+    with reporter.stage(f"range check: {len(functions)} reference(s) on random ids and real text"):
         check_reference_values(checked, functions)
 
 

@@ -188,22 +188,31 @@ def eval_table(report) -> Table:
 
 
 def verify_table(report) -> Table:
-    """The per-function checklist of a verification."""
+    """The per-function checklist of a verification: the exact verdict (the package against its
+    reference holding the package's weights, every drive on random ids and real text, the worse
+    one shown) and the quality verdict (that reference against the float32 one on real text)."""
 
     table = Table(title=f"verify {report.package.name} ({report.backend} backend)", title_justify="left")
-    columns = ("function", "compression", "worse drive", "cosine", "max |err|", "top-1", "KL", "retention", "result")
+    columns = (
+        "function", "compression", "exact: worse drive", "cosine", "max |err|", "top-1",
+        "quality: perplexity", "agreement", "retention", "result",
+    )
+    left = ("function", "compression", "exact: worse drive", "result")
     for column in columns:
-        table.add_column(column, justify="right" if column not in ("function", "compression", "worse drive", "result") else "left")
+        table.add_column(column, justify="left" if column in left else "right")
     for f in report.functions:
         kept = "-" if f.retention is None else f"{f.retention:.3f}"
+        quality = f.quality or {}
+        ratio = f"{quality['perplexity_ratio']:.3f}x" if quality.get("perplexity_ratio") is not None else "-"
+        agreement = f"{quality['agreement']:.1%}" if quality.get("agreement") is not None else "-"
         result = "[green]pass[/]" if f.passed else "[red]FAIL[/]: " + "; ".join(f.failures)
         result += f" ({f.provenance()})"
+        drive = (f.drive or "-") + ("" if f.reference == "own weights" else " (vs float32)")
         table.add_row(
-            f.name, f.compression, f.drive or "-", f"{f.cosine:.5f}", f"{f.max_abs_error:.3g}", f"{f.top1:.1%}",
-            f"{f.kl:.2e}", kept, result,
+            f.name, f.compression, drive, f"{f.cosine:.5f}", f"{f.max_abs_error:.3g}", f"{f.top1:.1%}", ratio, agreement, kept, result,
         )
     for problem in report.integrity:
-        table.add_row("(package)", "", "", "", "", "", "", "", f"[red]FAIL[/]: {problem}")
+        table.add_row("(package)", "", "", "", "", "", "", "", "", f"[red]FAIL[/]: {problem}")
     return table
 
 

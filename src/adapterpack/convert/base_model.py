@@ -43,6 +43,23 @@ def load_base(folder: Path, dtype: str = "float32"):
     return model
 
 
+def meta_model(folder: Path, dtype: str = "float32"):
+    """The base's architecture with every parameter and buffer on the meta device (no memory,
+    no weights read): for a caller that gives it tensors of its own (``load_state_dict(...,
+    assign=True)``)."""
+    silence_libraries()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with captured_output():
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
 def stored_weight_reader(base_info) -> Callable[[str], object]:
     """``reader(module_name)`` -> that module's weight as stored in the base's safetensors, or None.
 

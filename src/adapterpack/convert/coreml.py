@@ -99,6 +99,12 @@ def convert_decoder(model: torch.nn.Module, *, max_context: int, target: str = "
     )
     with torch.no_grad(), captured_output():
         traced = torch.jit.trace(decoder, example, check_trace=False)
+        # The example call wrote its keys and values into the cache buffers; a checkpoint whose
+        # float16 forward overflows on the example token (a massive activation on it) writes NaN
+        # there, which coremltools' check that a traced buffer equals itself refuses (NaN != NaN).
+        # The states start at zero on a device whatever these hold.
+        for name in STATE_NAMES:
+            getattr(traced, name).zero_()
     # coremltools names the ops it creates from one process-wide counter per op type
     # (coreml_update_state_N, ...), which converting or loading any program advances: start
     # each conversion from zero, as a fresh process does, so a program's bytes do not depend

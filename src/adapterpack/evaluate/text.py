@@ -9,7 +9,7 @@ from pathlib import Path
 
 from adapterpack.errors import BadInput
 from adapterpack.formats.registry import read_functions
-from adapterpack.inputs.text import load_tokenizer
+from adapterpack.inputs.text import chat_template, encode_chat, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,42 +50,18 @@ class PackageText:
         return ids
 
     def chat_template(self) -> str:
-        """The chat template swift-transformers renders (Hub.swift, LanguageModelConfigurationFromHub
-        at eec09bd): ``chat_template.jinja`` first, then ``chat_template.json``, then
-        ``tokenizer_config.json``'s ``chat_template`` (a list: the entry named ``default``)."""
-        import json
-
+        """The chat template swift-transformers renders (``inputs.text.chat_template``)."""
         folder = self.folder or Path(".")
-        try:
-            if (folder / "chat_template.jinja").is_file():
-                return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-            for name in ("chat_template.json", "tokenizer_config.json"):
-                if (folder / name).is_file():
-                    found = json.loads((folder / name).read_text(encoding="utf-8")).get("chat_template")
-                    if isinstance(found, list):
-                        found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
-                    if isinstance(found, str):
-                        return found
-        except (OSError, ValueError, AttributeError) as error:
-            raise BadInput(f"{folder}: the chat template cannot be read: {error}") from None
-        raise BadInput(f"{folder}: the tokenizer has no chat template (chat_template.jinja or a chat_template entry); drop --chat")
+        found = chat_template(folder)
+        if found is None:
+            raise BadInput(f"{folder}: the tokenizer has no chat template (chat_template.jinja or a chat_template entry); drop --chat")
+        return found
 
     def encode_chat(self, message: str, *, where: str = "--prompt") -> list[int]:
         """``message`` as one user turn, as swift-transformers' ``applyChatTemplate(messages:)``
-        makes it (TokenizersTemplates.swift at eec09bd): the template rendered with ``messages``,
-        ``add_generation_prompt: true`` and the tokenizer's special tokens, then encoded with
-        ``addSpecialTokens: false`` (no BOS added: the template writes what it needs)."""
+        makes it (``inputs.text.encode_chat``)."""
         _check_utf8(message, where)
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": message}], chat_template=self.chat_template(),
-                add_generation_prompt=True, tokenize=False,
-            )
-        except BadInput:
-            raise
-        except Exception as error:  # jinja2's errors: a template this tokenizer cannot render
-            raise BadInput(f"{self.folder}: the chat template cannot be rendered: {type(error).__name__}: {error}") from None
-        ids = list(self.tokenizer(rendered, add_special_tokens=False).input_ids)
+        ids = encode_chat(self.tokenizer, self.chat_template(), message, self.folder)
         if not ids:
             raise BadInput(f"{where}: the chat prompt encodes to no tokens")
         return ids

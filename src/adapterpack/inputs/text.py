@@ -47,3 +47,39 @@ def load_tokenizer(folder: Path):
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise BadInput(f"{folder}: the tokenizer files cannot be loaded: {first}") from None
     return tokenizer
+
+
+def chat_template(folder: Path) -> str | None:
+    """The chat template swift-transformers renders (Hub.swift, LanguageModelConfigurationFromHub
+    at eec09bd): ``chat_template.jinja`` first, then ``chat_template.json``, then
+    ``tokenizer_config.json``'s ``chat_template`` (a list: the entry named ``default``); None
+    when the tokenizer has none."""
+    import json
+
+    try:
+        if (folder / "chat_template.jinja").is_file():
+            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            if (folder / name).is_file():
+                found = json.loads((folder / name).read_text(encoding="utf-8")).get("chat_template")
+                if isinstance(found, list):
+                    found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+                if isinstance(found, str):
+                    return found
+    except (OSError, ValueError, AttributeError) as error:
+        raise BadInput(f"{folder}: the chat template cannot be read: {error}") from None
+    return None
+
+
+def encode_chat(tokenizer, template: str, message: str, folder: Path) -> list[int]:
+    """``message`` as one user turn, as swift-transformers' ``applyChatTemplate(messages:)``
+    makes it (TokenizersTemplates.swift at eec09bd): ``template`` rendered with ``messages``,
+    ``add_generation_prompt: true`` and the tokenizer's special tokens, then encoded with
+    ``addSpecialTokens: false`` (no BOS added: the template writes what it needs)."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], chat_template=template, add_generation_prompt=True, tokenize=False,
+        )
+    except Exception as error:  # jinja2's errors: a template this tokenizer cannot render
+        raise BadInput(f"{folder}: the chat template cannot be rendered: {type(error).__name__}: {error}") from None
+    return list(tokenizer(rendered, add_special_tokens=False).input_ids)

@@ -1,4 +1,9 @@
-"""Verification: every function of a package against its PyTorch/peft reference, driven the
-way real clients call it, on our numpy executor of the ML Program (or Core ML on macOS)."""
+"""Verification: every function of a package, driven the way real clients call it on random ids
+and real text, on our numpy executor of the ML Program (or Core ML on macOS): exact against its
+PyTorch reference holding the package's own weights, and its quality, those weights against the
+float32 reference, on real text."""
 
-__all__ = ["coreai_engine", "drives", "executor", "metrics", "package", "ranges", "reference", "reports", "runners"]
+__all__ = [
+    "coreai_engine", "drives", "executor", "metrics", "own_weights", "package", "ranges", "reference", "reports",
+    "runners", "texts",
+]

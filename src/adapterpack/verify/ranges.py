@@ -5,8 +5,9 @@ past 65504 into inf. Pretrained checkpoints carry massive activations (tens of t
 residual stream); the export keeps the norms safe for any float16 input (``convert.export_decoder
 .rms_norm``), but a value that float16 cannot hold at all (a residual, an MLP product, logits)
 cannot be saved by the export. So before any conversion the PyTorch reference of each function
-(base, and base + each adapter, unmerged) runs on a short calibration prompt (the first tokens of
-verify's seeded sequence) and every module input and output is measured.
+(base, and base + each adapter, unmerged) runs on the first tokens of verify's seeded random ids
+and on its real text (``verify.texts``: what a checkpoint's massive activations need, a real
+first token) and every module input and output is measured.
 
 Attention scores inside ``scaled_dot_product_attention`` are not observable from module hooks;
 verify's executor reports them should they overflow.
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 
 from adapterpack.errors import BadInput
 from adapterpack.inputs.float16 import FLOAT16_MAX
-from adapterpack.verify.drives import verification_tokens
-from adapterpack.verify.reference import computed_in_float32, reference_passes, stored_dtype
+from adapterpack.verify.reference import computed_in_float32, sequence_passes, stored_dtype
+from adapterpack.verify.texts import verify_tokens
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,11 @@ def _order(largest: float) -> float:
 
 def _measured(model, ids, rows: int, batch: dict) -> list[dict[str, float]]:
     """For each of ``rows`` batch rows, {module name (input)/(output): largest |value|} over one
-    forward of ``model`` (``batch``: the call's keyword arguments), each row measuring what that
-    function's reference alone would: an adapter's own modules (its LoRA branches, named by its
-    name in peft) see its rows alone and count for its row, and the base projection inside a
-    module peft wrapped (``base_layer``) counts for the rows of the adapters that wrap it."""
+    forward of ``model`` on ``ids`` (rows, tokens) (``batch``: the call's keyword arguments),
+    each row measuring what that function's reference alone would: an adapter's own modules (its
+    LoRA branches, named by its name in peft) see its rows alone and count for its row, and the
+    base projection inside a module peft wrapped (``base_layer``) counts for the rows of the
+    adapters that wrap it."""
     import torch
 
     from adapterpack.convert.lora import ADAPTER_NAME, BASE_ROW
@@ -110,7 +112,7 @@ def _measured(model, ids, rows: int, batch: dict) -> list[dict[str, float]]:
         handles.append(module.register_forward_hook(hook))
     try:
         with torch.no_grad(), computed_in_float32(model):
-            model(ids.repeat(rows, 1), **batch)
+            model(ids, **batch)
     finally:
         for handle in handles:
             handle.remove()
@@ -124,24 +126,29 @@ def _reference_name(name: str) -> str:
 
 def out_of_float16_range(checked, names: list[str]) -> list[OutOfRange]:
     """Every module input or output of each function's reference (``names``: the manifest's
-    functions) whose magnitude float16 cannot hold, on the calibration prompt; the functions'
-    references run side by side as verify's do (``reference.reference_passes``)."""
-    import torch
+    functions) whose magnitude float16 cannot hold, on the first ``CALIBRATION_TOKENS`` of
+    verify's random ids and on its real text (a checkpoint's massive activations sit on real
+    text's first token); the functions' references run side by side as verify's do
+    (``reference.sequence_passes``)."""
+    import dataclasses
 
     from adapterpack.convert.base_model import load_base
 
     manifest = checked.manifest
+    tokens = verify_tokens(checked, names)
+    tokens = dataclasses.replace(tokens, random=tokens.random[:CALIBRATION_TOKENS])
     base = load_base(checked.base.folder, dtype=stored_dtype(checked.base))
-    tokens = verification_tokens(int(base.config.vocab_size), manifest.verify)[:CALIBRATION_TOKENS]
-    ids = torch.from_numpy(tokens[None, :])
     base_function = next((name for name in names if manifest.adapter(name) is None), None)
     measured: dict[str, dict[str, float]] = {}
-    for model, rows, batch in reference_passes(checked, base, names):
+    for model, rows, ids, batch, _ in sequence_passes(checked, base, names, tokens):
         for function, found in zip(rows, _measured(model, ids, len(rows), batch)):
             # the base's row stands for the base function, when the manifest has one
             function = base_function if function is None else function
-            if function is not None:
-                measured.setdefault(function, found)
+            if function is None:
+                continue
+            held = measured.setdefault(function, {})
+            for tensor, largest in found.items():
+                held[tensor] = max(largest, held.get(tensor, 0.0), key=_order)
     del base
     return [
         OutOfRange(name, _reference_name(tensor), largest)
@@ -161,7 +168,7 @@ def check_reference_values(checked, names: list[str]) -> None:
     more = f" and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
     raise BadInput(
         f"{checked.manifest.source or checked.manifest.name}: the PyTorch reference computes values float16 "
-        f"cannot hold (at most {FLOAT16_MAX:.0f}) on a {CALIBRATION_TOKENS}-token calibration prompt: {shown}{more}; "
+        f"cannot hold (at most {FLOAT16_MAX:.0f}) on random ids and real text: {shown}{more}; "
         "a float16 package would compute inf there: write an .aimodel with export.compute_precision: float32, "
         "or rescale the checkpoint"
     )

@@ -13,10 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
-
-from adapterpack.verify.drives import verification_tokens
 
 log = logging.getLogger(__name__)
 
@@ -153,27 +152,82 @@ def _mixes(adapter_info) -> bool:
     return not adapter_info.uses_dora and not adapter_info.modules_to_save
 
 
-def reference_logits(checked, names: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """(tokens, base logits, {adapter function: logits}) from the PyTorch base computed in
-    float32, with each adapter applied by peft unmerged (``reference_passes``). Everything torch
-    holds is gone when this returns."""
+def sequence_passes(checked, base, names: list[str], tokens) -> Iterator[tuple[object, list[str | None], object, dict, str]]:
+    """``reference_passes`` over every token sequence verify runs (``tokens``: texts.VerifyTokens):
+    yields (model, the function of each batch row (None: the base alone), the ids (rows, length),
+    the call's keyword arguments, "random" or "text"). The random ids run on every row; each real
+    text on the rows of the functions that run on it, beside the base's row on that text (in
+    the first pass only: every pass computes the base alike)."""
     import torch
 
+    from adapterpack.convert.lora import BASE_ROW
+
+    manifest = checked.manifest
+    based: set[bytes] = set()
+    for model, rows, batch in reference_passes(checked, base, names):
+        names_of = dict(zip(rows, batch.get("adapter_names", [None] * len(rows))))
+        ids = torch.from_numpy(np.asarray(tokens.random, np.int64)[None, :]).repeat(len(rows), 1)
+        yield model, rows, ids, batch, "random"
+        for text, functions in tokens.groups():
+            wanted = [None] if None in rows and text.tobytes() not in based else []
+            wanted += [row for row in rows if row is not None and row in functions and manifest.adapter(row) is not None]
+            if not wanted:
+                continue
+            if None in wanted:
+                based.add(text.tobytes())
+            call = {"adapter_names": [names_of[row] or BASE_ROW for row in wanted]} if "adapter_names" in batch else {}
+            yield model, wanted, torch.from_numpy(text[None, :]).repeat(len(wanted), 1), call, "text"
+
+
+@dataclass
+class References:
+    """The float32 references: on the random ids, the base's (``random[None]``) and each adapter
+    function's; on each function's real text, its own (``text``, the base's for the base
+    function) and the base's on that same text (``base_text``)."""
+
+    random: dict[str | None, np.ndarray] = field(default_factory=dict)
+    text: dict[str, np.ndarray] = field(default_factory=dict)
+    base_text: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def of(self, function: str) -> np.ndarray:
+        return self.random.get(function, self.random[None])
+
+
+def reference_logits(checked, names: list[str], tokens) -> References:
+    """The float32 references of ``names`` on ``tokens`` (texts.VerifyTokens): the PyTorch base
+    computed in float32, each adapter applied by peft unmerged (``reference_passes``). Everything
+    torch holds is gone when this returns."""
     from adapterpack.convert.base_model import load_base
 
     manifest = checked.manifest
     base = load_base(checked.base.folder, dtype=stored_dtype(checked.base))
-    # The Swift client's mask is one slot wider than the tokens, so it holds max_context - 1 of them.
-    tokens = verification_tokens(int(base.config.vocab_size), manifest.verify)[: manifest.export.max_context - 1]
-    ids = torch.from_numpy(tokens[None, :])
-    found: dict[str | None, np.ndarray] = {}
-    for model, rows, batch in reference_passes(checked, base, names):
+    found = References()
+    on_text: dict[tuple[bytes, str | None], np.ndarray] = {}
+    for model, rows, ids, batch, kind in sequence_passes(checked, base, names, tokens):
         with computed_in_float32(model):
-            logits = model(ids.repeat(len(rows), 1), **batch).logits.float().numpy()
-        found.update(zip(rows, logits))
+            logits = model(ids, **batch).logits.float().numpy()
+        for row, row_logits, row_ids in zip(rows, logits, ids.numpy()):
+            if kind == "random":
+                found.random[row] = row_logits
+            else:
+                on_text[row_ids.tobytes(), row] = row_logits
         del logits
-    base_reference = found.pop(None)
-    return tokens, base_reference, {name: found[name] for name in names if name in found}
+    for function, text in tokens.text.items():
+        key = text.tobytes()
+        found.base_text[function] = on_text[key, None]
+        found.text[function] = on_text.get((key, function), on_text[key, None]) if manifest.adapter(function) else on_text[key, None]
+    return found
+
+
+def random_references(checked, names: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(verify's random ids, the base's logits, {adapter function: logits}) on those ids alone."""
+    from adapterpack.verify.texts import VerifyTokens, verification_tokens
+
+    manifest = checked.manifest
+    vocab = int((checked.base.config.get("text_config") or checked.base.config)["vocab_size"])
+    tokens = verification_tokens(vocab, manifest.verify)[: int(manifest.export.max_context) - 1]
+    found = reference_logits(checked, names, VerifyTokens(tokens))
+    return tokens, found.random[None], {name: found.random[name] for name in names if name in found.random and name is not None}
 
 
 @contextlib.contextmanager

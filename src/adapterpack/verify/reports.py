@@ -19,7 +19,7 @@ class FunctionReport:
     max_abs_error: float
     top1: float
     kl: float
-    retention: float | None  # None for the base function
+    retention: float | None  # quality: the adapter's effect kept on real text (None for the base function)
     adapter_effect: float | None  # relative size of the adapter's effect on the logits
     thresholds: dict[str, float]
     failures: list[str] = field(default_factory=list)
@@ -28,6 +28,12 @@ class FunctionReport:
     by_drive: dict[str, dict[str, float]] = field(default_factory=dict)  # every drive's metrics
     digest: str = ""  # of the bytes verified (mlpackage.digest.function_digest)
     reused: bool = False  # these bytes equal bytes a build verified before: not run again
+    # what the exact figures (cosine, max_abs_error, top1, kl) compare with: "own weights" (the
+    # reference holding the package's weights) or "float32" (the format's weights cannot be read)
+    reference: str = "own weights"
+    # the quality verdict on real text: perplexity_ratio, agreement, kl, tokens (None: no real text)
+    quality: dict[str, float] | None = None
+    text: str = ""  # the real text the function ran on
 
     @property
     def passed(self) -> bool:
@@ -70,7 +76,7 @@ class VerifyReport:
 
 
 # Bump when what verification computes changes, so verdicts cached by an older version are not reused.
-VERIFY_FORMAT = 3
+VERIFY_FORMAT = 4
 
 
 def function_report_from_json(data: dict) -> FunctionReport:

@@ -50,11 +50,15 @@ class Sessions:
         trouble: Callable[[str], str | None],
         drives: tuple[str, ...] = DRIVES,
         concurrent: bool = False,
+        known_values: Callable[[str], dict[str, np.ndarray] | None] = lambda function: None,
     ):
         self._open = open_function
         self._trouble = trouble
         self.drives = drives  # how this package's clients call it (verify.drives)
         self.concurrent = concurrent
+        # the function's weights as it computes with them (ProgramExecutor.known_values), by the
+        # program's names; None where the runtime cannot show them
+        self.known_values = known_values
 
     def __call__(self, function: str) -> Callable[[], Predict]:
         return self._open(function)
@@ -125,7 +129,11 @@ def _executor_sessions(package: Path) -> Sessions:
                 return executor.nonfinite[function].describe()
         return troubles.get(function)
 
-    return Sessions(open_function, trouble)
+    def known_values(function: str) -> dict[str, np.ndarray]:
+        open_function(function)  # loaded once, for the drives and the weights alike
+        return loaded[function].known_values(function)
+
+    return Sessions(open_function, trouble, known_values=known_values)
 
 
 def _release_freed_memory() -> None:
@@ -287,24 +295,40 @@ def _apple_sessions(package: Path, summary, runtime: _CoreAIRuntime) -> Callable
     return open_function
 
 
+def _with_program_values(sessions: Sessions, package: Path) -> Sessions:
+    """``sessions`` whose weights (``Sessions.known_values``) are read by the numpy executor:
+    Core ML runs the function, and its program holds the same weights."""
+
+    def known_values(function: str) -> dict[str, np.ndarray]:
+        return ProgramExecutor.load(package, functions=[function]).known_values(function)
+
+    sessions.known_values = known_values
+    return sessions
+
+
 # Backend name -> the sessions that run a package there.
 SESSIONS: dict[str, Callable[[Path], Sessions]] = {
     "numpy": _executor_sessions,
-    "coreml": lambda package: _watching_logits(_coreml_sessions(package), "Core ML"),
+    "coreml": lambda package: _with_program_values(_watching_logits(_coreml_sessions(package), "Core ML"), package),
     CORE_AI_RUNTIME: _coreai_sessions,
 }
 
 
-def drive_runner(package: Path, backend: Backend = "numpy") -> Callable[[str, np.ndarray, int], tuple[dict[str, np.ndarray], str | None]]:
-    """``run(function, tokens, prefill)``: (every drive's logits, each drive through a fresh
-    state; where float16 first overflowed in them, or None)."""
+def drive_runner(package: Path, backend: Backend = "numpy") -> tuple[Callable, Sessions]:
+    """(``run(function, sequences, prefill)``: ({drive, with " text" for the real-text sequence:
+    logits}, every drive of every sequence through a fresh state; where float16 first
+    overflowed in them, or None), the sessions it runs on). ``sequences``: {"random" or "text":
+    token ids}."""
     if backend_for(package, backend) == "numpy":
         # A program the executor cannot read fails here, as the package, before any function runs.
         ProgramExecutor.function_names_of(package)
     sessions = function_sessions(package, backend)
 
-    def run(function: str, tokens: np.ndarray, prefill: int):
-        logits = run_drives(sessions(function), tokens, prefill, sessions.drives, concurrent=sessions.concurrent)
-        return logits, sessions.float16_trouble(function)
+    def run(function: str, sequences: dict[str, np.ndarray], prefill: int):
+        found = {}
+        for kind, tokens in sequences.items():
+            logits = run_drives(sessions(function), tokens, min(prefill, len(tokens)), sessions.drives, concurrent=sessions.concurrent)
+            found.update({drive if kind == "random" else f"{drive} text": value for drive, value in logits.items()})
+        return found, sessions.float16_trouble(function)
 
-    return run
+    return run, sessions

@@ -200,6 +200,7 @@ class _Compiled:
     state_slots: dict[int, str]
     outputs: list[tuple[str, int]] = field(default_factory=list)
     attentions: int = 0  # attention ops in the function (to say where an op sits)
+    named: dict[str, int] = field(default_factory=dict)  # known values (constants, folded) by name
 
 
 def _declared_dtype(var: Any) -> Any:
@@ -373,6 +374,13 @@ class ProgramExecutor:
 
         walk(func)
         return found
+
+    def known_values(self, function: str | None = None) -> dict[str, np.ndarray]:
+        """{name: value} of every array the function computes from constants alone and reads at
+        run time: its weights as it uses them (a palettized or quantized one decompressed, under
+        its constexpr op's output name), biases, norm gains, tables."""
+        compiled = self._compile(function)
+        return {name: compiled.env[slot] for name, slot in compiled.named.items() if isinstance(compiled.env[slot], np.ndarray)}
 
     def make_state(self, function: str | None = None) -> dict[str, np.ndarray]:
         """Fresh zero-filled state arrays for ``function``, keyed by state name."""
@@ -561,6 +569,7 @@ class _Compiler:
         self.inputs: list[_InputSpec] = []
         self.states: dict[str, tuple[tuple[int, ...], Any]] = {}
         self.state_slots: dict[int, str] = {}
+        self.names: dict[str, int] = {}  # each constant's and op output's slot, by its var name
         for in_name, var in func.inputs.items():
             slot = self.slot_of(var)
             if types.is_state(var.sym_type):
@@ -585,6 +594,7 @@ class _Compiler:
 
     def constant(self, op: Any) -> None:
         slot = self.slot_of(op.outputs[0])
+        self.names[op.outputs[0].name] = slot
         self.env[slot] = _const_value(op.outputs[0])
         self.static.add(slot)
         if id(op.outputs[0]) not in self.returned:
@@ -612,6 +622,8 @@ class _Compiler:
         return _Step(kind, op.op_type, label, None, args, (self.slot_of(op.outputs[0]),), (None,), state_name)
 
     def call_step(self, op: Any) -> _Step:
+        for var in op.outputs:
+            self.names[var.name] = self.slot_of(var)
         arg_list: list[tuple[str, Any]] = []
         for param, value in op.inputs.items():
             if isinstance(value, (list, tuple)):
@@ -661,4 +673,5 @@ class _Compiler:
         needed = {r for s in self.steps for r in self._refs(s)}
         needed |= {slot for _, slot in outputs}
         env = [v if (i in needed or i not in self.static) else None for i, v in enumerate(self.env)]
-        return _Compiled(self.steps, env, self.inputs, self.states, self.state_slots, outputs, self.attentions)
+        named = {name: slot for name, slot in self.names.items() if slot in self.static and env[slot] is not None}
+        return _Compiled(self.steps, env, self.inputs, self.states, self.state_slots, outputs, self.attentions, named)
