@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -495,13 +496,13 @@ WRITERS = {
 }
 # Each run is a process of its own (about 5 s of imports); a release and a Core AI build take over
 # a minute each under the trace hook. The default run injects one fault into each of the fast
-# writers (a build's own fault test is in test_hostile_input); the slow step four into every one.
+# writers (a build's own fault test is in test_hostile_input); the slow step two into every one.
 FAST_WRITERS = ("parts", "merge", "cache prune")
 
 
 @pytest.mark.parametrize(
     "writer, points",
-    [(w, 1) for w in FAST_WRITERS] + [pytest.param(w, 4, marks=pytest.mark.slow, id=f"{w}-at-length") for w in WRITERS],
+    [(w, 1) for w in FAST_WRITERS] + [pytest.param(w, 2, marks=pytest.mark.slow, id=f"{w}-at-length") for w in WRITERS],
 )
 def test_a_fault_at_a_random_point_of_every_writer_leaves_outputs_whole_and_inputs_untouched(pristine, tmp_path, monkeypatch, writer, points):
     """A RuntimeError raised inside any adapterpack function a writer calls (seeded random
@@ -539,10 +540,15 @@ def test_a_fault_at_a_random_point_of_every_writer_leaves_outputs_whole_and_inpu
         result, state = run_with_fault(args, at, report)
         where = state["where"]
         assert where is not None, at
-        assert result.returncode == 1, (where, result.stderr)
-        # one line; a converter may wrap the fault raised in its callback in an error of its own
-        lines = [line for line in result.stderr.splitlines() if "error" in line]
-        assert len(lines) == 1 and lines[0].startswith("internal error:"), (where, result.stderr)
+        if result.returncode == 3:
+            # A fault while a function's program runs is that function failing verification: a
+            # damaged package makes the executor raise the same way. The reason names it.
+            assert re.search(r"cannot be (run|loaded): RuntimeError: injected fault", result.stderr), (where, result.stderr)
+        else:
+            assert result.returncode == 1, (where, result.stderr)
+            # one line; a converter may wrap the fault raised in its callback in an error of its own
+            lines = [line for line in result.stderr.splitlines() if "error" in line]
+            assert len(lines) == 1 and lines[0].startswith("internal error:"), (where, result.stderr)
         assert "Traceback" not in result.stderr.replace("Traceback (most recent call last): (run with", ""), where
         now = _snapshot(root)
         if writer == "cache prune":  # an entry goes whole or stays whole; nothing else changes

@@ -205,7 +205,10 @@ def _quality(
         reference, base = references.of(name), references.random[None]
         found.notes.append(f"quality: on random ids ({found.text})")
     reference, base = reference[: len(compressed)], base[: len(compressed)]
-    figures = compare_logits(compressed, reference)
+    # Random ids give flat next-token distributions whose top-1 flips on any change of weight (a
+    # float16 rounding moves 6% of a small random model's): there, as in the exact verdict, a
+    # near-tie within the two references' own difference is not a disagreement.
+    figures = compare_logits(compressed, reference, ties_within_error=where == "random ids")
     ratio = perplexity_ratio(compressed, reference, ids[: len(compressed)])
     found.quality = {"perplexity_ratio": ratio, "agreement": figures["top1"], "kl": figures["kl"], "tokens": float(len(compressed))}
     if ratio > thresholds["perplexity_ratio"]:

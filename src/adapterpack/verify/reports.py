@@ -76,7 +76,7 @@ class VerifyReport:
 
 
 # Bump when what verification computes changes, so verdicts cached by an older version are not reused.
-VERIFY_FORMAT = 4
+VERIFY_FORMAT = 5
 
 
 def function_report_from_json(data: dict) -> FunctionReport:
