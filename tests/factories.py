@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def tiny_config(family: str, **overrides):
@@ -41,6 +41,17 @@ def tiny_config(family: str, **overrides):
         common.update(num_key_value_heads=4, sliding_window=None)  # MHA
     elif family == "qwen3":
         common.update(head_dim=32)  # head_dim decoupled from hidden/heads, as in Qwen3
+    elif family == "gemma3_text":
+        # Gemma 3's shape at toy size: sliding and global layers with their own rope bases, a
+        # window shorter than verify's sequences, a query scale that is not 1/sqrt(head_dim).
+        common.update(
+            head_dim=32, query_pre_attn_scalar=24, sliding_window=4, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        )
     common.update(overrides)
     return AutoConfig.for_model(family, **common)
 
@@ -55,6 +66,8 @@ def make_base(folder: Path, family: str = "llama", seed: int = 0, **overrides) -
         for name, parameter in model.named_parameters():
             if name.endswith(".bias"):
                 parameter.normal_(0, 0.1)
+            elif family == "gemma3_text" and name.endswith("norm.weight"):  # Gemma's (1 + w) gains start at w = 0
+                parameter.normal_(0, 0.5)
     model.config._name_or_path = f"adapterpack-tests/tiny-{family}"
     model.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -84,6 +97,16 @@ def plant_massive_activation(model, target: float = 20000.0, channel: int = 5, t
         # The trigger's normalized value is about sqrt(hidden): gate*up ~ 16 * hidden.
         mlp.down_proj.weight[:, unit].zero_()
         mlp.down_proj.weight[channel, unit] = target / (16.0 * hidden)
+        if model.config.model_type == "gemma3_text":
+            # Gemma normalizes the MLP's output before the residual add (its norm gains reach
+            # 152 in Gemma 3 270M, whose residual reaches 103,821 at <bos>): a gain that turns
+            # the trigger's normalized sqrt(hidden) into five times the target, past float16.
+            # Only the trigger may reach that channel, or every token's residual would be ruled
+            # by it: no other unit writes it, and attention leaves the trigger direction alone.
+            post = model.model.layers[0].post_feedforward_layernorm
+            post.weight[channel] = 5.0 * target / hidden**0.5 - 1.0
+            mlp.down_proj.weight[channel, unit + 1:] = 0.0
+            model.model.layers[0].self_attn.o_proj.weight[channel + 1].zero_()
 
 
 def make_massive_base(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -157,14 +180,22 @@ def make_family_project(root: Path, family: str) -> Path:
         settings = dict(settings)
         extras = {key: settings.pop(key) for key in ("scale", "lora") if key in settings}
         # Realistic magnitudes: large enough to move the logits, small enough for float16.
-        make_adapter(root / name, root / "base", std=0.1, **settings)
+        # Gemma normalizes each sublayer's output before the residual takes it, which damps a
+        # small adapter's change under float16's rounding of the base: three times the size.
+        make_adapter(root / name, root / "base", std=0.3 if family == "gemma3_text" else 0.1, **settings)
         entries.append(f"  - name: {name}\n    path: {name}\n" + "".join(f"    {k}: {v}\n" for k, v in extras.items()))
     (root / "m.yaml").write_text(
         "name: numerics\nbase: {path: base}\ninclude_base: base\nexport: {max_context: 40}\n"
         # Random logits have near-ties (top-2 gaps of 1e-3): float16's rounding of the planted
         # channel (spacing 16 at 20,000) flips a few, as torch's own float16 forward does (top-1
         # 96.9% on qwen2's mlp function), so top-1 is held at 90% here and cosine carries the proof.
-        "compression: {method: none}\nverify: {prefill: 9, decode_steps: 7, min_top1: 0.9}\nadapters:\n" + "".join(entries)
+        "compression: {method: none}\nverify: {prefill: 9, decode_steps: 7, min_top1: 0.9"
+        # Retention is measured from the float32 base, so float16's rounding of the base's weights
+        # counts as lost effect; on random ids Gemma's normalized sublayer outputs leave an
+        # adapter's change only a few times that rounding (0.91-0.93 with float16 weights alone,
+        # 0.84 on Core AI's float16 arithmetic).
+        + (", min_retention: 0.75" if family == "gemma3_text" else "")
+        + "}\nadapters:\n" + "".join(entries)
     )
     return root / "m.yaml"
 

@@ -20,20 +20,29 @@ class Family:
     qkv_bias: bool | str = False
     o_bias: bool | str = False
     mlp_bias: bool | str = False
-    qk_norm: bool = False  # per-head RMS norms of q and k (Qwen3)
+    qk_norm: bool = False  # per-head RMS norms of q and k (Qwen3, Gemma 3)
     tie_default: bool = False  # tie_word_embeddings when config.json does not say
+    # Gemma 3: four norms per layer (each sublayer's output normalized before the residual add),
+    # gains applied as (1 + w), attention types per layer (``layer_types``).
+    sandwich_norms: bool = False
 
     def has(self, switch: bool | str, config: dict) -> bool:
         return switch if isinstance(switch, bool) else bool(config.get(switch, False))
 
 
-# model_type -> family; from transformers 5.x modeling_{llama,mistral,qwen2,qwen3}.py.
+# model_type -> family; from transformers 5.x modeling_{llama,mistral,qwen2,qwen3,gemma3}.py.
 FAMILIES = {
     "llama": Family("Llama", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias"),
     "mistral": Family("Mistral"),
     "qwen2": Family("Qwen2", qkv_bias=True),
     "qwen3": Family("Qwen3", qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
+    # Gemma3ForCausalLM (Gemma 3 270M and 1B; the text tower of the larger ones)
+    "gemma3_text": Family(
+        "Gemma 3", qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, tie_default=True, sandwich_norms=True
+    ),
 }
+# Gemma 3's attention types (transformers' Gemma3Attention: a sliding window or the whole cache).
+LAYER_TYPES = ("sliding_attention", "full_attention")
 SUPPORTED_FAMILIES = {key: family.title for key, family in FAMILIES.items()}
 
 
@@ -69,7 +78,31 @@ def check_family(config: dict, config_file: Path) -> str:
     for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
         if config.get(key) is not None and not isinstance(config[key], bool):
             raise BadInput(f"{config_file}: {key!r} must be true or false, found {config[key]!r}")
+    if FAMILIES[model_type].sandwich_norms:
+        _check_gemma(config, config_file)
     return model_type
+
+
+def _check_gemma(config: dict, config_file: Path) -> None:
+    """What Gemma 3's config may ask that the export does not compute."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:
+            raise BadInput(f"{config_file}: {key} {config[key]!r} is not supported (softcapping is not exported); set it to null")
+    if config.get("use_bidirectional_attention"):
+        raise BadInput(f"{config_file}: use_bidirectional_attention is not supported: a decoder with a KV-cache attends causally")
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != config["num_hidden_layers"]:
+            raise BadInput(f"{config_file}: 'layer_types' must list one attention type per layer ({config['num_hidden_layers']})")
+        unknown = sorted({str(t) for t in types if t not in LAYER_TYPES})
+        if unknown:
+            raise BadInput(f"{config_file}: unknown layer_types {', '.join(unknown)}: supported are {', '.join(LAYER_TYPES)}")
+    window = config.get("sliding_window")
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+        raise BadInput(f"{config_file}: 'sliding_window' must be a positive integer, found {window!r}")
+    scalar = config.get("query_pre_attn_scalar")
+    if scalar is not None and not (isinstance(scalar, (int, float)) and not isinstance(scalar, bool) and scalar > 0):
+        raise BadInput(f"{config_file}: 'query_pre_attn_scalar' must be a positive number, found {scalar!r}")
 
 
 def tied_embeddings(config: dict) -> bool:
@@ -108,6 +141,8 @@ def read_weights(config: dict) -> dict[str, tuple[int, ...]]:
         per_layer |= {"mlp.gate_proj.bias": (intermediate,), "mlp.up_proj.bias": (intermediate,), "mlp.down_proj.bias": (hidden,)}
     if family.qk_norm:
         per_layer |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
+    if family.sandwich_norms:
+        per_layer |= {"pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,)}
     for layer in range(layers):
         weights.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
     return weights

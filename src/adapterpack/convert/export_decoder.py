@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from adapterpack.config.families import SUPPORTED_FAMILIES, unsupported_message
+from adapterpack.config.families import FAMILIES, SUPPORTED_FAMILIES, unsupported_message
 from adapterpack.errors import BadInput
 
 # Large enough that exp() underflows to 0 in float16 softmax, small enough not to overflow
@@ -73,6 +73,22 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * (scaled * torch.rsqrt(variance)).to(dtype)
 
 
+def gemma_rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm`` (transformers' Gemma3RMSNorm: ``weight``, ``eps``) of ``x``, in float32 out.
+
+    Gemma applies its gains as ``1 + w`` and multiplies in float32 before casting ("Llama does
+    x.to(float16) * w whilst Gemma3 is (x * w).to(float16)", modeling_gemma3.py); its stored gains
+    reach 152, so a post-sublayer norm's output (up to sqrt(hidden) * 153) goes to the float32
+    residual as it is, and the caller casts the others. The row is scaled by its largest
+    magnitude first, as in ``rms_norm``: Gemma 3 270M's residual reaches 103,821 at ``<bos>``.
+    """
+    x = x.to(torch.float32)
+    largest = x.abs().amax(dim=-1, keepdim=True).clamp(min=NORM_FLOOR)
+    scaled = x / largest
+    variance = (scaled * scaled).mean(dim=-1, keepdim=True) + (float(norm.eps) / largest) / largest
+    return (scaled * torch.rsqrt(variance)) * (1.0 + norm.weight.float())
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     """Static sizes of a decoder, read once from its config as Python ints.
@@ -88,6 +104,12 @@ class DecoderShape:
     hidden_size: int
     vocab_size: int
     sliding_window: int | None
+    # Gemma 3: each layer's attention type (``sliding_attention``: the window applies and the
+    # local rope table; ``full_attention``: the whole cache and the global table). None: every
+    # layer alike, the window (where set) applying to all.
+    layer_types: tuple[str, ...] | None = None
+    attention_scale: float | None = None  # query_pre_attn_scalar ** -0.5; None: 1 / sqrt(head_dim)
+    sandwich_norms: bool = False  # Gemma 3's four norms per layer, (1 + w) gains
 
     @classmethod
     def from_config(cls, config) -> DecoderShape:
@@ -99,6 +121,7 @@ class DecoderShape:
         sliding = None
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             sliding = int(config.sliding_window)
+        gemma = FAMILIES[model_type].sandwich_norms
         return cls(
             model_type=model_type,
             n_layers=config.num_hidden_layers,
@@ -108,7 +131,14 @@ class DecoderShape:
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
             sliding_window=sliding,
+            layer_types=tuple(config.layer_types) if gemma else None,
+            attention_scale=_query_scale(config, head_dim) if gemma else None,
+            sandwich_norms=gemma,
         )
+
+    def attention_types(self) -> list[str | None]:
+        """Each layer's attention type, in order of first use (None: the one type of every layer)."""
+        return list(dict.fromkeys(self.layer_types)) if self.layer_types else [None]
 
     def kv_cache_shape(self, max_context: int) -> tuple[int, ...]:
         # (layers, batch, kv_heads, context, head_dim): the layout of Apple's stateful Llama export.
@@ -120,15 +150,24 @@ class DecoderShape:
         return (1, 1, 1, max_context)
 
 
-def rope_tables(hf_model, shape: DecoderShape, max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (max_context, head_dim) from the model's own rotary embedding.
+def _query_scale(config, head_dim: int) -> float | None:
+    """Gemma's attention scale, ``query_pre_attn_scalar ** -0.5``; None where it is SDPA's own
+    ``1 / sqrt(head_dim)`` (Gemma 3 270M and 1B)."""
+    scalar = float(config.query_pre_attn_scalar)
+    return None if scalar == head_dim else scalar**-0.5
+
+
+def rope_tables(hf_model, shape: DecoderShape, max_context: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (max_context, head_dim) from the model's own rotary embedding (of
+    ``layer_type``'s layers, for a model with one per attention type: Gemma 3).
 
     Reusing ``rotary_emb.inv_freq`` and ``attention_scaling`` keeps every rope variant HF
     implements (Llama 3 scaling, YaRN, linear) without re-deriving it here.
     """
     rotary = hf_model.model.rotary_emb
-    inv_freq = rotary.inv_freq.detach().to(torch.float64)
-    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    prefix = f"{layer_type}_" if layer_type else ""
+    inv_freq = getattr(rotary, f"{prefix}inv_freq").detach().to(torch.float64)
+    scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
     positions = torch.arange(max_context, dtype=torch.float64)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -138,6 +177,12 @@ def rope_tables(hf_model, shape: DecoderShape, max_context: int) -> tuple[torch.
             "partial rotary embeddings are not supported"
         )
     return (emb.cos() * scaling).to(torch.float32), (emb.sin() * scaling).to(torch.float32)
+
+
+def _table_name(table: str, kind: str | None) -> str:
+    """A rope table's buffer name (and constant name in the program): ``rope_cos``, or per
+    attention type ``rope_cos_sliding`` / ``rope_cos_full``."""
+    return table if kind is None else f"{table}_{kind.removesuffix('_attention')}"
 
 
 class _Decoder(nn.Module):
@@ -150,13 +195,36 @@ class _Decoder(nn.Module):
         # ``rms_norm`` for converters that narrow every op to float16 (coremltools); a converter
         # that keeps transformers' float32 upcast inside the norm (coreai-torch) gets the model's
         # own norm, already exact there.
-        self.norm = rms_norm if scaled_norms else (lambda norm, x: norm(x))
         self.shape = DecoderShape.from_config(hf_model.config)
+        if scaled_norms:
+            self.norm = gemma_rms_norm if self.shape.sandwich_norms else rms_norm
+        elif self.shape.sandwich_norms:
+            # transformers' Gemma3RMSNorm returns its input's dtype: a post-sublayer norm of a
+            # float16 output would overflow there (its gains reach 152). Given float32, it
+            # returns float32, as ``gemma_rms_norm`` does.
+            self.norm = lambda norm, x: norm(x.to(torch.float32))
+        else:
+            self.norm = lambda norm, x: norm(x)
         self.max_context = int(max_context)
         self.hf = hf_model
-        cos, sin = rope_tables(hf_model, self.shape, self.max_context)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for module in hf_model.model.embed_tokens.modules():
+            if isinstance(getattr(module, "embed_scale", None), torch.Tensor):
+                # Gemma scales its embeddings by sqrt(hidden), a float32 buffer cast to the
+                # weights' dtype on every call; coremltools keeps that cast's constant float32
+                # and then refuses the float16 multiply. Stored in the weights' dtype, the value
+                # is the one transformers multiplies by.
+                module.embed_scale = module.embed_scale.to(module.weight.dtype)
+        for kind in self.shape.attention_types():
+            cos, sin = rope_tables(hf_model, self.shape, self.max_context, kind)
+            self.register_buffer(_table_name("rope_cos", kind), cos, persistent=False)
+            self.register_buffer(_table_name("rope_sin", kind), sin, persistent=False)
+
+    def _tables(self, positions) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """{attention type: (cos, sin) rows at ``positions``} (a slice or an index tensor)."""
+        return {
+            kind: (getattr(self, _table_name("rope_cos", kind))[positions], getattr(self, _table_name("rope_sin", kind))[positions])
+            for kind in self.shape.attention_types()
+        }
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.shape.head_dim // 2
@@ -164,14 +232,14 @@ class _Decoder(nn.Module):
         x2 = x[..., half:]
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-    def _allowed(self, q_len, start, end) -> torch.Tensor:
+    def _allowed(self, q_len, start, end, kind: str | None = None) -> torch.Tensor:
         """(q, end) 1.0 where token i of this call (cache slot start + i) may attend slot j:
-        causal, within the sliding window."""
+        causal, within the sliding window (of every layer, or of ``kind``'s layers)."""
         # Token i of this call sits at position start + i and sees keys 0..start + i.
         q_pos = torch.arange(q_len, dtype=torch.int32) + start
         k_pos = torch.arange(end, dtype=torch.int32)
         allowed = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).to(torch.float32)
-        if self.shape.sliding_window is not None:
+        if self.shape.sliding_window is not None and kind in (None, "sliding_attention"):
             inside = k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.shape.sliding_window
             allowed = allowed * inside.to(torch.float32)
         return allowed
@@ -181,9 +249,12 @@ class _Decoder(nn.Module):
         q = attn.q_proj(hidden).view(1, -1, s.n_heads, s.head_dim)
         k = attn.k_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
         v = attn.v_proj(hidden).view(1, -1, s.n_kv_heads, s.head_dim)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMS norm per head before rope
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3, Gemma 3: RMS norm per head before rope
+            narrow = q.dtype
             q = self.norm(attn.q_norm, q)
             k = self.norm(attn.k_norm, k)
+            if self.shape.sandwich_norms:  # Gemma's norms give float32
+                q, k = q.to(narrow), k.to(narrow)
         q = self._rotate(q.transpose(1, 2), cos, sin)
         k = self._rotate(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
@@ -198,6 +269,11 @@ class _Decoder(nn.Module):
             keys = keys.unsqueeze(2).repeat(1, 1, groups, 1, 1).flatten(1, 2)
             values = values.unsqueeze(2).repeat(1, 1, groups, 1, 1).flatten(1, 2)
 
+        if s.attention_scale is not None:
+            # Gemma's query_pre_attn_scalar ** -0.5 in place of 1 / sqrt(head_dim), applied to q:
+            # coremltools lowers SDPA's own ``scale`` as a float32 constant that a float16 q
+            # cannot be multiplied by (nor a Python float: the converter widens q to float32).
+            q = q * torch.tensor(s.attention_scale * s.head_dim**0.5, dtype=q.dtype)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
         out = out.transpose(1, 2).reshape(1, -1, s.n_heads * s.head_dim)
         return attn.o_proj(out)
@@ -213,6 +289,8 @@ class _Decoder(nn.Module):
         # residual, 0.09 with a float32 one). A cast and an add per sublayer, one row per token.
         narrow = hidden.dtype
         hidden = hidden.to(torch.float32)
+        if self.shape.sandwich_norms:
+            return self._gemma_logits(hidden, narrow, cos, sin, bias, start, end, key_cache, value_cache)
         for idx, layer in enumerate(body.layers):
             residual = hidden
             hidden = self.norm(layer.input_layernorm, hidden).to(narrow)
@@ -222,9 +300,26 @@ class _Decoder(nn.Module):
             residual = hidden
             hidden = self.norm(layer.post_attention_layernorm, hidden).to(narrow)
             hidden = residual + layer.mlp(hidden).to(torch.float32)
-        hidden = self.norm(body.norm, hidden).to(narrow)
+        return self._head(hidden, narrow)
+
+    def _head(self, hidden, narrow) -> torch.Tensor:
+        hidden = self.norm(self.hf.model.norm, hidden).to(narrow)
         logits = self.hf.lm_head(hidden)
         return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
+
+    def _gemma_logits(self, hidden, narrow, tables, _, biases, start, end, key_cache, value_cache) -> torch.Tensor:
+        """Gemma 3's layers (transformers' Gemma3DecoderLayer): each sublayer's output is
+        normalized before it joins the residual, and each layer attends by its type, with that
+        type's rope table and mask (``tables``, ``biases``: by attention type)."""
+        for idx, layer in enumerate(self.hf.model.layers):
+            kind = self.shape.layer_types[idx]
+            cos, sin = tables[kind]
+            normed = self.norm(layer.input_layernorm, hidden).to(narrow)
+            attended = self._attend(idx, layer.self_attn, normed, cos, sin, biases[kind], start, end, key_cache, value_cache)
+            hidden = hidden + self.norm(layer.post_attention_layernorm, attended)
+            normed = self.norm(layer.pre_feedforward_layernorm, hidden).to(narrow)
+            hidden = hidden + self.norm(layer.post_feedforward_layernorm, layer.mlp(normed))
+        return self._head(hidden, narrow)
 
 
 class ExportDecoder(_Decoder):
@@ -281,10 +376,26 @@ class ExportDecoder(_Decoder):
         end = causalMask.shape[-1]
         start = end - q_len
         hidden = self.hf.model.embed_tokens(inputIds)
+        if self.shape.layer_types is not None:
+            tables = {kind: (cos.to(hidden.dtype), sin.to(hidden.dtype)) for kind, (cos, sin) in self._tables(slice(start, end)).items()}
+            biases = self._attention_biases(inputIds, start, end, causalMask, hidden.dtype)
+            return self._logits(hidden, tables, None, biases, start, end, self.keyCache, self.valueCache)
         cos = self.rope_cos[start:end].to(hidden.dtype)
         sin = self.rope_sin[start:end].to(hidden.dtype)
         bias = self._attention_bias(inputIds, start, end, causalMask).to(hidden.dtype)
         return self._logits(hidden, cos, sin, bias, start, end, self.keyCache, self.valueCache)
+
+    def _attention_biases(self, inputIds, start, end, causal_mask, dtype) -> dict[str, torch.Tensor]:  # noqa: N803
+        """{attention type: additive bias (1, 1, q, end)}, as ``_attention_bias`` builds it, the
+        sliding window for the sliding layers alone."""
+        written = torch.ones_like(inputIds, dtype=self.writtenSlots.dtype).view(1, 1, 1, -1)
+        self.writtenSlots[:, :, :, start:end] = written
+        seen = self.writtenSlots[:, :, :, :end].to(torch.float32)
+        caller = causal_mask.to(torch.float32)
+        return {
+            kind: ((1.0 - self._allowed(inputIds.shape[-1], start, end, kind).unsqueeze(0).unsqueeze(0) * seen) * MASK_NEGATIVE + caller).to(dtype)
+            for kind in self.shape.attention_types()
+        }
 
 
 class AppleDecoder(_Decoder):
@@ -309,6 +420,13 @@ class AppleDecoder(_Decoder):
         start = end - q_len
         hidden = self.hf.model.embed_tokens(input_ids)
         positions = position_ids[0, start:end].to(torch.long)
+        if self.shape.layer_types is not None:
+            tables = {kind: (cos.to(hidden.dtype), sin.to(hidden.dtype)) for kind, (cos, sin) in self._tables(positions).items()}
+            biases = {
+                kind: ((1.0 - self._allowed(q_len, start, end, kind)) * MASK_NEGATIVE).unsqueeze(0).unsqueeze(0).to(hidden.dtype)
+                for kind in self.shape.attention_types()
+            }
+            return self._logits(hidden, tables, None, biases, start, end, key_cache, value_cache)
         cos = self.rope_cos[positions].to(hidden.dtype)
         sin = self.rope_sin[positions].to(hidden.dtype)
         bias = ((1.0 - self._allowed(q_len, start, end)) * MASK_NEGATIVE).unsqueeze(0).unsqueeze(0).to(hidden.dtype)

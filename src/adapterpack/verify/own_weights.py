@@ -99,12 +99,18 @@ def _skeleton(checked, values: dict[str, np.ndarray]):
 
 
 def _materialize_buffers(model) -> None:
-    """Modules whose buffers are still on the meta device (rotary frequencies, computed from the
-    config and not stored) made again on the CPU."""
+    """Modules whose buffers are still on the meta device (computed, not stored) made again on
+    the CPU: rotary frequencies from the config; Gemma's embedding scale from its own record."""
+    import torch
+
     for name, module in list(model.named_modules()):
-        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, type(module)(config=module.config))
+        if not any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            continue
+        if hasattr(module, "scalar_embed_scale"):  # Gemma3TextScaledWordEmbedding: sqrt(hidden)
+            module.embed_scale = torch.tensor(module.scalar_embed_scale)
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, type(module)(config=module.config))
 
 
 @contextlib.contextmanager

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 
+from adapterpack.config.families import FAMILIES
 from adapterpack.errors import BadInput
 from adapterpack.inputs.float16 import FLOAT16_MAX
 from adapterpack.verify.reference import computed_in_float32, sequence_passes, stored_dtype
@@ -124,6 +126,29 @@ def _reference_name(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
+# What the export carries in float32 whatever the program's precision (convert.export_decoder:
+# the residual stream, and the norms' insides; coremltools keeps that region float32,
+# convert.coreml.compute_precision): a decoder layer's input and output, the input of a norm
+# reading the residual, and Gemma's post-sublayer norms' outputs, which join it.
+_RESIDUAL_FLOAT32 = re.compile(r"model\.layers\.\d+ \((input|output)\)|model\.norm \(input\)")
+_NORM_OF_RESIDUAL = ("input_layernorm", "post_attention_layernorm")
+_GEMMA_NORM_OF_RESIDUAL = ("input_layernorm", "pre_feedforward_layernorm")
+_GEMMA_NORM_INTO_RESIDUAL = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+def held_in_float32(tensor: str, sandwich_norms: bool) -> bool:
+    """Whether the program computes ``tensor`` (a module's "(input)" or "(output)", by the base's
+    module path) in float32: such a value may pass float16's range (Gemma 3 270M's residual
+    reaches 103,821 at ``<bos>``)."""
+    if _RESIDUAL_FLOAT32.fullmatch(tensor):
+        return True
+    module, _, side = tensor.rpartition(" ")
+    leaf = module.rpartition(".")[2]
+    if side == "(input)":
+        return leaf in (_GEMMA_NORM_OF_RESIDUAL if sandwich_norms else _NORM_OF_RESIDUAL) and ".layers." in module
+    return sandwich_norms and leaf in _GEMMA_NORM_INTO_RESIDUAL
+
+
 def out_of_float16_range(checked, names: list[str]) -> list[OutOfRange]:
     """Every module input or output of each function's reference (``names``: the manifest's
     functions) whose magnitude float16 cannot hold, on the first ``CALIBRATION_TOKENS`` of
@@ -150,11 +175,12 @@ def out_of_float16_range(checked, names: list[str]) -> list[OutOfRange]:
             for tensor, largest in found.items():
                 held[tensor] = max(largest, held.get(tensor, 0.0), key=_order)
     del base
+    sandwich = FAMILIES[checked.base.config["model_type"]].sandwich_norms
     return [
         OutOfRange(name, _reference_name(tensor), largest)
         for name in names
         for tensor, largest in measured.get(name, {}).items()
-        if math.isnan(largest) or largest > FLOAT16_MAX
+        if math.isnan(largest) or (largest > FLOAT16_MAX and not held_in_float32(_reference_name(tensor), sandwich))
     ]
 
 

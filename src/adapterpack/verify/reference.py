@@ -81,12 +81,13 @@ def computed_in_float32(model) -> Iterator[None]:
 
 
 def _in_parts(module) -> bool:
-    """A plain linear layer or embedding whose float16 or bfloat16 weight is too large to widen whole."""
+    """A plain linear layer or embedding (or Gemma's scaled one) whose float16 or bfloat16 weight
+    is too large to widen whole."""
     import torch
 
     weight = getattr(module, "weight", None)
     return (
-        type(module) in (torch.nn.Linear, torch.nn.Embedding)
+        (type(module) in (torch.nn.Linear, torch.nn.Embedding) or hasattr(module, "scalar_embed_scale"))
         and weight is not None
         and weight.dtype != torch.float32
         and 4 * weight.numel() > WIDEN_WHOLE_BYTES
@@ -103,8 +104,15 @@ def _widened_in_parts(module):
     import torch.nn.functional as F
 
     if isinstance(module, torch.nn.Embedding):
-        original = module.forward
-        return lambda ids: original(ids).float()
+        # Gemma's scaled embedding multiplies by sqrt(hidden) after the lookup: in float32 here,
+        # as its float32 model does (its own forward would multiply in the stored dtype).
+        scale = getattr(module, "embed_scale", None)
+
+        def lookup(ids):
+            rows = torch.nn.Embedding.forward(module, ids).float()
+            return rows if scale is None else rows * scale.float()
+
+        return lookup
 
     def forward(x):
         weight, bias = module.weight, module.bias

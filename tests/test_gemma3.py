@@ -1,0 +1,185 @@
+"""Gemma 3 (``gemma3_text``): the export against transformers' own Gemma3ForCausalLM at toy size
+(sliding and global layers, their rope bases, the window, (1 + w) gains, a query scale that is not
+1/sqrt(head_dim)), the float16 range rule for a residual past 65504, the configs it refuses; and
+the real Gemma 3 270M (scripts/gemma3.py) with the haiku skill trained on it (adapters/gemma3).
+
+The family's package-level tests (every function of every family, both formats and contracts)
+run with the other families' in the slow step (``factories.FAMILIES``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from factories import make_adapter, make_base, make_massive_base, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory) -> Path:
+    return make_base(tmp_path_factory.mktemp("gemma") / "base", "gemma3_text")
+
+
+def _both_conventions(model, ids: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the export's decoder over ``ids`` as swift-transformers calls it (prefill, then
+    one token per call, the mask ``tokenCount + 1`` wide) and as Apple's runtime does (one call)."""
+    from adapterpack.convert.export_decoder import AppleDecoder, ExportDecoder
+
+    swift = ExportDecoder(model, max_context=32, cache_dtype=torch.float32).eval()
+    n = ids.shape[1]
+    rows = [swift(ids[:, :prefill].int(), torch.zeros(1, 1, prefill, prefill + 1))[0]]
+    for i in range(prefill, n):
+        rows.append(swift(ids[:, i : i + 1].int(), torch.zeros(1, 1, 1, i + 2))[0])
+    apple = AppleDecoder(model, 32, None, True).eval()
+    caches = [torch.zeros(swift.keyCache.shape) for _ in range(2)]
+    return torch.cat(rows), apple(ids.int(), torch.arange(n)[None].int(), *caches)[0]
+
+
+def test_the_export_computes_what_transformers_computes_for_gemma(tiny_gemma):
+    """20 tokens through a window of 4: the sliding layer's window, both rope tables, the query
+    scale and the (1 + w) gains must all be right for the logits to agree to float32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma, dtype=torch.float32).eval()
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits[0]
+        swift, apple = _both_conventions(model, ids, prefill=7)
+        wide = AutoModelForCausalLM.from_pretrained(tiny_gemma, dtype=torch.float32, sliding_window=64).eval()
+        unwindowed = wide(ids).logits[0]
+    assert (unwindowed - reference).abs().max() > 0.05  # the window changes the logits here
+    torch.testing.assert_close(swift, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(apple, reference, rtol=0, atol=1e-5)
+
+
+def test_the_range_check_passes_the_float32_residual_and_names_a_float16_overflow(tmp_path):
+    """The planted residual passes 65504 (Gemma 3 270M's reaches 103,821); the export carries it
+    in float32, so the range check lets it be. An MLP output past 65504 is computed in float16:
+    it is named."""
+    from adapterpack.inputs.checked import check_inputs
+    from adapterpack.verify.ranges import out_of_float16_range
+
+    make_massive_base(tmp_path / "base", "gemma3_text")
+    make_adapter(tmp_path / "loud", tmp_path / "base", std=300.0, seed=3, targets=("down_proj",))
+    (tmp_path / "m.yaml").write_text(
+        "name: g\nbase: {path: base}\ninclude_base: base\nexport: {max_context: 32}\nadapters: [{name: loud, path: loud}]\n"
+    )
+    checked = check_inputs(tmp_path / "m.yaml")
+    with pytest.MonkeyPatch.context() as patch:  # what the residual reaches: past float16's range
+        from adapterpack.verify import ranges
+
+        patch.setattr(ranges, "held_in_float32", lambda tensor, sandwich: False)
+        residual = [f for f in out_of_float16_range(checked, ["base"]) if f.tensor == "model.layers.0 (output)"]
+    assert residual and residual[0].largest > 65504, residual
+    found = out_of_float16_range(checked, checked.manifest.function_names)
+    assert {f.function for f in found} == {"loud"}, found
+    # the MLP's output, and the post-feedforward norm's input that it is (a float16 value)
+    assert any("down_proj" in f.tensor for f in found), found
+    assert all("mlp" in f.tensor or f.tensor.endswith("post_feedforward_layernorm (input)") for f in found), found
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "unknown layer_types chunked_attention"),
+    ({"layer_types": ["full_attention"]}, "one attention type per layer (2)"),
+])
+def test_gemma_configs_the_export_does_not_compute_are_refused(tiny_gemma, tmp_path, change, reason):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_gemma, base)
+    config = json.loads((base / "config.json").read_text()) | change
+    (base / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m.yaml").write_text("name: g\nbase: {path: base}\ninclude_base: base\nadapters: []\n")
+    result = run_cli("validate", tmp_path / "m.yaml")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert reason in lines[0] and "config.json" in lines[0], lines[0]
+
+
+# -- the real checkpoint ---------------------------------------------------------------------------
+
+
+def _gemma3_script():
+    spec = importlib.util.spec_from_file_location("gemma3_script", REPO / "scripts" / "gemma3.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def gemma3_base() -> Path:
+    """Gemma 3 270M, converted once into models/ (CI does it before the tests; a test that finds
+    it missing converts it, about two minutes, rather than skipping)."""
+    return _gemma3_script().ensure_base()
+
+
+@pytest.fixture(scope="session")
+def gemma3_float16(gemma3_base, tmp_path_factory):
+    """haiku fused and kept, and the base: one float16 .mlpackage, built and verified once."""
+    from adapterpack.assemble.pipeline import build
+    from adapterpack.assemble.records import BuildOptions
+
+    root = tmp_path_factory.mktemp("gemma3")
+    haiku = REPO / "adapters" / "gemma3" / "haiku"
+    (root / "m.yaml").write_text(
+        f"name: gemma3\nbase: {{path: {gemma3_base}, tokenizer: google/gemma-3-270m}}\n"
+        f"adapters:\n  - {{name: haiku, path: {haiku}}}\n  - {{name: haiku_kept, path: {haiku}, lora: keep}}\n"
+        "include_base: base\nexport: {max_context: 48}\ncompression: {method: none}\nverify: {prefill: 16, decode_steps: 4}\n"
+    )
+    return root / "m.yaml", build(root / "m.yaml", output=root / "gemma3.mlpackage", options=BuildOptions(use_cache=False))
+
+
+@pytest.mark.slow
+def test_real_gemma3_float16_package_is_exact_fused_and_kept(gemma3_float16):
+    """On real text with <bos> the checkpoint's residual passes 100,000: every function matches
+    its reference under both drives, on random ids and on real text."""
+    _, result = gemma3_float16
+    report = result.verify_report
+    assert report.passed, report.verdict()
+    assert {f.name for f in report.functions} == {"haiku", "haiku_kept", "base"}
+    for function in report.functions:
+        assert set(function.by_drive) == {"swift", "python", "swift text", "python text"}, function.name
+        for drive, figures in function.by_drive.items():
+            assert figures["cosine"] >= 0.9999 and figures["top1"] >= 0.99, (function.name, drive, figures)
+        if function.name != "base":
+            assert function.adapter_effect > 0.05 and function.retention > 0.99, function
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("function", ["haiku", "haiku_kept"])
+def test_real_gemma3_skill_continues_a_prompt_as_its_reference_does(gemma3_float16, function):
+    """The skill's greedy continuation of a real prompt, 32 tokens, equals its float32 reference's
+    (a float16 tie excepted, as ``generate --compare`` judges) and writes a haiku's lines."""
+    from adapterpack.evaluate.generate import generate
+    from adapterpack.inputs.checked import check_inputs
+
+    manifest, result = gemma3_float16
+    run = generate(result.output, function, "Write a haiku about the sea.\n", max_new_tokens=32,
+                   checked=check_inputs(manifest), compare=True)
+    assert run.tokens == run.reference_tokens, (run.text, run.reference_text)
+    assert run.text.count("\n") >= 2, run.text
+
+
+def test_gemma_weights_under_another_family_s_name_are_refused(tiny_gemma, tmp_path):
+    """A Gemma checkpoint relabelled as Qwen3 (q/k norms too, the same projections) validated
+    before the base had to hold exactly what its family reads: its extra norms name it."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_gemma, base)
+    config = json.loads((base / "config.json").read_text()) | {"model_type": "qwen3"}
+    (base / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m.yaml").write_text("name: g\nbase: {path: base}\ninclude_base: base\nadapters: []\n")
+    result = run_cli("validate", tmp_path / "m.yaml")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "feedforward_layernorm.weight" in lines[0], lines[0]
