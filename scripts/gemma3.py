@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from gguf_checkpoint import save_from_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "models" / "gemma3-270m"
@@ -85,26 +86,9 @@ def ensure_base(dest: Path = BASE) -> Path:
     """The checkpoint as a Hugging Face folder at ``dest``, converted once from the packages' GGUF."""
     if (dest / "model.safetensors").is_file() and (dest / "tokenizer.json").is_file():
         return dest
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with tempfile.TemporaryDirectory() as scratch:
         gguf = _download(Path(scratch))
-        loaded = AutoModelForCausalLM.from_pretrained(scratch, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf.name)
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config._name_or_path = HUB_NAME
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.load_state_dict(loaded.state_dict())
-        staged = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(staged, ignore_errors=True)
-        model.save_pretrained(staged, safe_serialization=True)
-        tokenizer.save_pretrained(staged)
-        shutil.rmtree(dest, ignore_errors=True)
-        staged.rename(dest)  # whole or not at all
-    return dest
+        return save_from_gguf(Path(scratch), gguf.name, HUB_NAME, dest)
 
 
 def example(tokenizer, topic: str, haiku: str):

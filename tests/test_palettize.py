@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import kmeans1d
 import numpy as np
 import pytest
@@ -54,9 +51,9 @@ def _optimal_error(row: np.ndarray, nbits: int) -> float:
 
 
 def _real_weights(name: str) -> np.ndarray:
-    spec = importlib.util.spec_from_file_location("smollm2_script", Path(__file__).resolve().parents[1] / "scripts" / "smollm2.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from factories import load_script
+
+    script = load_script("smollm2")
     import torch
     from safetensors.torch import load_file as load_torch
 

@@ -8,7 +8,6 @@ missing converts it (about a minute) rather than skipping.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -17,20 +16,14 @@ from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.evaluate.generate import generate
 from adapterpack.inputs.checked import check_inputs
+from factories import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _smollm2_script():
-    spec = importlib.util.spec_from_file_location("smollm2_script", REPO / "scripts" / "smollm2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def smollm2_base() -> Path:
-    return _smollm2_script().ensure_base()
+    return load_script("smollm2").ensure_base()
 
 
 def _manifest(root: Path, base: Path, *, kept: bool = True, decode_steps: int = 8) -> Path:
