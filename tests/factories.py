@@ -200,6 +200,18 @@ def make_family_project(root: Path, family: str) -> Path:
     return root / "m.yaml"
 
 
+def make_demo_project(root: Path, manifest: str) -> Path:
+    """The shipped demo's base and zen skill copied into ``root`` beside ``manifest`` (as
+    ``root/m.yaml``); returns ``root``."""
+    import shutil
+
+    demo = Path(__file__).resolve().parents[1] / "adapters" / "demo"
+    for name in ("base", "zen"):
+        shutil.copytree(demo / name, root / name)
+    (root / "m.yaml").write_text(manifest)
+    return root
+
+
 def make_project(root: Path, manifest: str, adapters: dict[str, dict]) -> Path:
     """A Llama base in ``root/base``, each adapter (name -> ``make_adapter`` settings) in
     ``root/NAME``, and ``manifest`` as ``root/m.yaml``; returns ``root``."""

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from adapterpack.config.manifest import load_manifest
 from adapterpack.errors import BadInput
 from adapterpack.inputs.checked import check_inputs
-from factories import make_adapter, make_base
+from factories import make_adapter, make_base, make_demo_project
 
 VALID = """name: h
 base: {path: base}
@@ -410,12 +410,10 @@ def demo_project(tmp_path_factory) -> Path:
     from adapterpack.assemble.pipeline import build
     from adapterpack.assemble.records import BuildOptions
 
-    root = tmp_path_factory.mktemp("demo-hostile")
-    for name in ("base", "zen"):
-        shutil.copytree(DEMO_FILES / name, root / name)
-    (root / "m.yaml").write_text(
+    root = make_demo_project(
+        tmp_path_factory.mktemp("demo-hostile"),
         "name: d\nbase: {path: base}\nadapters: [{name: zen, path: zen}]\ninclude_base: base\n"
-        "export: {max_context: 32}\ncompression: {method: none}\nverify: {prefill: 6, decode_steps: 2}\n"
+        "export: {max_context: 32}\ncompression: {method: none}\nverify: {prefill: 6, decode_steps: 2}\n",
     )
     (root / "text.txt").write_text((DEMO_FILES / "heldout.txt").read_text()[:300])
     build(root / "m.yaml", output=root / PACKAGE, options=BuildOptions(verify=False, use_cache=False))

@@ -21,9 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adapterpack.errors import BadInput
-from factories import invoke_cli, run_cli, run_with_fault
+from factories import invoke_cli, make_demo_project, run_cli, run_with_fault
 
-DEMO = Path(__file__).resolve().parents[1] / "adapters" / "demo"
 MANIFEST = (
     "name: d\nbase: {path: base}\nadapters: [{name: zen, path: zen}]\ninclude_base: base\n"
     "export: {max_context: 32}\ncompression: {method: none}\nverify: {prefill: 6, decode_steps: 2}\n"
@@ -46,10 +45,7 @@ def _snapshot(root: Path) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
     """The demo's base and zen skill with a float16 manifest, and a release of them in dist/."""
-    root = tmp_path_factory.mktemp("outputs")
-    for name in ("base", "zen"):
-        shutil.copytree(DEMO / name, root / name)
-    (root / "m.yaml").write_text(MANIFEST)
+    root = make_demo_project(tmp_path_factory.mktemp("outputs"), MANIFEST)
     result = invoke_cli("release", root / "m.yaml", "--out-dir", root / "dist", "--quiet", "--no-cache")
     assert result.returncode == 0, result.stderr
     return root

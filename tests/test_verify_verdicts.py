@@ -21,9 +21,8 @@ from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.manifest import load_manifest
 from adapterpack.verify.package import verify_package
-from factories import invoke_cli
+from factories import invoke_cli, make_demo_project
 
-DEMO = Path(__file__).resolve().parents[1] / "adapters" / "demo"
 FOUR_BIT = (
     "name: q\nbase: {path: base}\n"
     "adapters: [{name: zen, path: zen}, {name: kept, path: zen, lora: keep}]\ninclude_base: base\n"
@@ -34,10 +33,7 @@ FOUR_BIT = (
 @pytest.fixture(scope="module")
 def four_bit(tmp_path_factory) -> Path:
     """The demo's base and zen skill, fused and kept, data-free 4-bit: built once, unverified."""
-    root = tmp_path_factory.mktemp("four-bit")
-    for name in ("base", "zen"):
-        shutil.copytree(DEMO / name, root / name)
-    (root / "m.yaml").write_text(FOUR_BIT)
+    root = make_demo_project(tmp_path_factory.mktemp("four-bit"), FOUR_BIT)
     build(root / "m.yaml", output=root / "q.mlpackage", options=BuildOptions(use_cache=False, verify=False))
     return root
 

@@ -289,8 +289,6 @@ class _Decoder(nn.Module):
         # residual, 0.09 with a float32 one). A cast and an add per sublayer, one row per token.
         narrow = hidden.dtype
         hidden = hidden.to(torch.float32)
-        if self.shape.sandwich_norms:
-            return self._gemma_logits(hidden, narrow, cos, sin, bias, start, end, key_cache, value_cache)
         for idx, layer in enumerate(body.layers):
             residual = hidden
             hidden = self.norm(layer.input_layernorm, hidden).to(narrow)
@@ -307,10 +305,13 @@ class _Decoder(nn.Module):
         logits = self.hf.lm_head(hidden)
         return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
 
-    def _gemma_logits(self, hidden, narrow, tables, _, biases, start, end, key_cache, value_cache) -> torch.Tensor:
+    def _gemma_logits(self, hidden, tables, biases, start, end, key_cache, value_cache) -> torch.Tensor:
         """Gemma 3's layers (transformers' Gemma3DecoderLayer): each sublayer's output is
         normalized before it joins the residual, and each layer attends by its type, with that
-        type's rope table and mask (``tables``, ``biases``: by attention type)."""
+        type's rope table and mask (``tables``, ``biases``: by attention type). The residual is
+        carried in float32, as in ``_logits``."""
+        narrow = hidden.dtype
+        hidden = hidden.to(torch.float32)
         for idx, layer in enumerate(self.hf.model.layers):
             kind = self.shape.layer_types[idx]
             cos, sin = tables[kind]
@@ -379,7 +380,7 @@ class ExportDecoder(_Decoder):
         if self.shape.layer_types is not None:
             tables = {kind: (cos.to(hidden.dtype), sin.to(hidden.dtype)) for kind, (cos, sin) in self._tables(slice(start, end)).items()}
             biases = self._attention_biases(inputIds, start, end, causalMask, hidden.dtype)
-            return self._logits(hidden, tables, None, biases, start, end, self.keyCache, self.valueCache)
+            return self._gemma_logits(hidden, tables, biases, start, end, self.keyCache, self.valueCache)
         cos = self.rope_cos[start:end].to(hidden.dtype)
         sin = self.rope_sin[start:end].to(hidden.dtype)
         bias = self._attention_bias(inputIds, start, end, causalMask).to(hidden.dtype)
@@ -426,7 +427,7 @@ class AppleDecoder(_Decoder):
                 kind: ((1.0 - self._allowed(q_len, start, end, kind)) * MASK_NEGATIVE).unsqueeze(0).unsqueeze(0).to(hidden.dtype)
                 for kind in self.shape.attention_types()
             }
-            return self._logits(hidden, tables, None, biases, start, end, key_cache, value_cache)
+            return self._gemma_logits(hidden, tables, biases, start, end, key_cache, value_cache)
         cos = self.rope_cos[positions].to(hidden.dtype)
         sin = self.rope_sin[positions].to(hidden.dtype)
         bias = ((1.0 - self._allowed(q_len, start, end)) * MASK_NEGATIVE).unsqueeze(0).unsqueeze(0).to(hidden.dtype)
