@@ -35,7 +35,7 @@ from adapterpack.config.devices import (
 )
 from adapterpack.errors import BadInput
 from adapterpack.report.inspect import inspect_package
-from adapterpack.report.memory import memory_estimate
+from adapterpack.report.memory import human_size, memory_estimate
 from factories import make_adapter, make_base
 
 GIB = 1 << 30
@@ -279,6 +279,8 @@ def test_cli_json_parses(fused):
     devices = document["memory"]["devices"]
     assert {d["device"] for d in devices} == {d.key for d in DEVICES}
     assert all(d["fits"] and d["source"] for d in devices)  # a tiny model fits everywhere
+    # one float16 row of the vocabulary per token a call is given
+    assert document["memory"]["logits_bytes_per_token"] == 2 * inspect_package(fused).shape.vocab > 0
 
 
 def test_cli_table_for_one_device(kept):
@@ -287,6 +289,10 @@ def test_cli_table_for_one_device(kept):
     text = result.stdout
     for expected in ("chat", "code", "dedup ratio", "largest tensors (top 2)", "iPhone 15", "pocketpal"):
         assert expected in text, expected
+    shape = inspect_package(kept).shape
+    per_token = 2 * shape.vocab
+    assert f"logits per call: (1, q, {shape.vocab}) float16, {human_size(per_token)} a token: " \
+        f"{human_size(per_token * shape.max_context)} for a {shape.max_context}-token prefill" in " ".join(text.split()), text
     assert "iPhone 16" not in text
 
 

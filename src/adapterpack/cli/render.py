@@ -324,6 +324,14 @@ def print_budget(shape, estimate, budget: list[dict]) -> None:
         f"activations {activations} (estimate) = {human_size(estimate.need_bytes)}",
         highlight=False,
     )
+    if estimate.vocab:
+        per_token = estimate.logits_bytes_per_token
+        out.print(
+            f"logits per call: (1, q, {estimate.vocab}) float16, {human_size(per_token)} a token: "
+            f"{human_size(per_token * estimate.largest_query)} for a {estimate.largest_query}-token prefill "
+            "(prefill in chunks to hold less)",
+            highlight=False,
+        )
     memory = Table(title="memory budget (one function loaded)", title_justify="left")
     for column in ("device", "RAM", "app limit", "fits", "headroom", "with entitlement", "fits", "headroom", "max context", "ref"):
         memory.add_column(column, justify="left" if column in ("device", "fits", "ref") else "right")
