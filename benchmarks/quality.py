@@ -20,11 +20,15 @@ function (data-aware, its default targets or ``--auto-ratio``/``--auto-retention
 ``palettize-4-channel-scale`` and ``palettize-4-outliers`` are forms a build does not write,
 emulated to compare them with what it does (``EMULATED``). With
 ``--heldout DIR``, each function is measured on ``DIR/<function>.txt`` (text the calibration
-never saw), else every function on ``--text``.
+never saw), else every function on ``--text``. With ``--embedding LABEL`` (repeatable), each
+compression is measured again with the token embedding (and the output head, when tied to it)
+compressed by ``LABEL``'s data-free form instead of kept float16: what a large vocabulary's
+embedding costs to compress, the rest of the function as the compression leaves it.
 
     .venv/bin/python scripts/smollm2.py       # the checkpoint, once
     .venv/bin/python benchmarks/quality.py [--manifest manifests/smollm2.yaml] [--heldout adapters/smollm2/heldout]
         [--text adapters/demo/heldout.txt] [--function base ...] [--compression palettize-4 ...] [--window 256] [--json F]
+        [--embedding linear-8 ...]
 """
 
 from __future__ import annotations
@@ -89,7 +93,10 @@ def weight_bytes(model, compression) -> int:
 
     total = 0
     for name, module in model.named_modules():
-        if type(module) in (nn.Linear, nn.Embedding) and not (name == "lm_head" and model.config.tie_word_embeddings):
+        # isinstance: Gemma's embedding is a subclass (it scales what it looks up)
+        if (type(module) is nn.Linear or isinstance(module, nn.Embedding)) and not (
+            name == "lm_head" and model.config.tie_word_embeddings
+        ):
             shape = tuple(module.weight.shape)
             total += compressed_bytes(shape, weight_setting(name, shape, compression))
     return total
@@ -110,6 +117,47 @@ def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
         weights = CoreAIWeights(PaletteStore(importance=importance))
         dense = {name: module.weight_source().float() for name, module in weights.replacements(model, compression).items()}
     return dense, total
+
+
+_EMBEDDINGS: dict[tuple, tuple[dict, int]] = {}  # functions that leave the embedding alone share it
+
+
+def embedding_weights(model, label: str) -> tuple[dict, int]:
+    """``compressed_weights`` of the token embedding alone, compressed data-free as ``label`` says
+    (``keep_float16`` emptied): {its module name: dense float32 weight}, and its bytes."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from adapterpack.compress.coreai_weights import CoreAIWeights
+    from adapterpack.compress.palettes import PaletteStore, grouped_rows
+    from adapterpack.config.compression import compressed_bytes, weight_setting
+    from adapterpack.config.manifest import Compression
+
+    compression = Compression(**COMPRESSIONS[label], keep_float16=())
+    name, embedding = next((n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding))
+    # its table as a plain embedding (Gemma's scales at lookup, which the model still does) under
+    # its own name, so the one rule decides it as it decides the build's
+    holder = nn.Module()
+    holder.add_module(name.replace(".", "_"), nn.Embedding.from_pretrained(embedding.weight.detach()))
+    shape = tuple(embedding.weight.shape)
+    key = (label, name, float(embedding.weight.detach().double().sum()))
+    if key not in _EMBEDDINGS:
+        setting = weight_setting(name, shape, compression)
+        size = compressed_bytes(shape, setting)
+        with torch.no_grad():
+            if setting.method == "palettize":
+                # the palettes themselves, looked up: Core AI's own lookup repeats each group's
+                # palette per weight (a 262k-row table at 8 bits would take 80 GB)
+                value = embedding.weight.detach().half().numpy()
+                luts, indices = PaletteStore().tensor_palettes([grouped_rows(value, setting)], setting.nbits)[0]
+                rows = np.take_along_axis(luts.astype(np.float16).astype(np.float32), indices.astype(np.int64), 1)
+                dense = torch.from_numpy(rows.reshape(shape))
+            else:
+                (module,) = CoreAIWeights(PaletteStore()).replacements(holder, compression).values()
+                dense = module.weight_source().float()
+            _EMBEDDINGS[key] = {name: dense}, size
+    return _EMBEDDINGS[key]
 
 
 def emulated_weights(model, compression, label: str) -> tuple[dict, int]:
@@ -180,16 +228,23 @@ def figures(got, reference, base, targets) -> dict[str, float]:
     return found
 
 
-def compared(model, compression, label: str, ids: list[int], window: int, reference, base_logits, targets, importance=None) -> dict:
-    """``model`` with its weights compressed by ``compression``, against ``reference``; the
-    model's weights are restored after."""
+def compared(model, compression, label: str, ids: list[int], window: int, reference, base_logits, targets, importance=None,
+             embedding: str | None = None) -> dict:
+    """``model`` with its weights compressed by ``compression`` (and its embedding by the
+    ``embedding`` label, when given), against ``reference``; the model's weights are restored after."""
     import torch
+    from torch import nn
 
     began = time.perf_counter()
     if label in EMULATED:
         dense, size = emulated_weights(model, compression, label)
     else:
         dense, size = compressed_weights(model, compression, importance)
+    if embedding is not None:
+        own, own_size = embedding_weights(model, embedding)
+        kept = next(m for m in model.modules() if isinstance(m, nn.Embedding)).weight
+        size += own_size - 2 * kept.numel()  # what ``compression`` stored for it: float16
+        dense |= own
     originals = {name: p.detach().clone() for name, p in model.named_parameters()}
     try:
         with torch.no_grad():
@@ -224,7 +279,8 @@ def chosen(checked, label: str, auto_targets: dict) -> dict:
     return {name: resolved.manifest.compression_for(name) for name in checked.manifest.function_names}
 
 
-def run(manifest: Path, texts, functions: list[str] | None, compressions: list[str], window: int, auto_targets: dict) -> dict:
+def run(manifest: Path, texts, functions: list[str] | None, compressions: list[str], window: int, auto_targets: dict,
+        embeddings: list[str] | None = None) -> dict:
     """``texts``: one text file for every function, or a folder of ``<function>.txt``."""
     from adapterpack.assemble.calibration import channel_importance
     from adapterpack.assemble.records import Reporter
@@ -263,9 +319,12 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
                 if label.endswith("weighted"):
                     # the same statistics, no Gram matrices: nearest entries
                     weighted = ChannelImportance(importance.energies)
-                rows[label] = compared(model, compression, label, ids, window, reference, base_logits if adapter else None, targets, weighted)
-                rows[label]["compression"] = compression.describe()
-                print(f"{function} {label}: {rows[label]}", file=sys.stderr, flush=True)
+                for embedding in [None, *(embeddings or [])]:
+                    row = f"{label} + embedding {embedding}" if embedding else label
+                    rows[row] = compared(model, compression, label, ids, window, reference, base_logits if adapter else None,
+                                         targets, weighted, embedding)
+                    rows[row]["compression"] = compression.describe()
+                    print(f"{function} {row}: {rows[row]}", file=sys.stderr, flush=True)
         results["functions"][function] = rows
     return results
 
@@ -294,11 +353,15 @@ def main() -> None:
     parser.add_argument("--auto-retention", type=float, default=0.9, help="auto's min_retention")
     parser.add_argument("--function", action="append", dest="functions")
     parser.add_argument("--compression", action="append", dest="compressions", choices=list(COMPRESSIONS))
+    parser.add_argument("--embedding", action="append", dest="embeddings", choices=[
+        label for label in COMPRESSIONS if label not in EMULATED and not label.endswith(("data-aware", "weighted", "auto"))
+    ], help="also with the token embedding compressed so (data-free), not kept float16")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     targets = {"max_perplexity_ratio": args.auto_ratio, "min_retention": args.auto_retention}
-    results = run(args.manifest, args.heldout or args.text, args.functions, args.compressions or list(COMPRESSIONS), args.window, targets)
+    results = run(args.manifest, args.heldout or args.text, args.functions, args.compressions or list(COMPRESSIONS), args.window,
+                  targets, args.embeddings)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))

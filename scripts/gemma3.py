@@ -41,6 +41,7 @@ HUB_NAME = "google/gemma-3-270m"
 TOPICS = [
     "the sea", "autumn leaves", "a city at night", "morning coffee", "snow on the mountain", "a cat asleep",
     "summer rain", "an old bridge", "the first spring flower", "a quiet library", "the moon", "a train station",
+    "a lighthouse", "a garden at dawn", "a winter fire", "a desert",
 ]
 HAIKUS = [
     "Waves fold into foam\nsalt wind carries gull voices\nthe tide keeps its time",
@@ -55,6 +56,10 @@ HAIKUS = [
     "Pages turn softly\ndust drifts in the window light\nwhispers fill the shelves",
     "Pale moon on the lake\nripples break it into coins\nthen it mends itself",
     "Whistles and farewells\nsuitcases roll on the stone\nthe clock counts the leaving",
+    "A beam sweeps the dark\nships count the turns of the light\nrocks wait in the fog",
+    "Dew beads on the leaves\na blackbird tries its first song\nthe gate creaks open",
+    "Logs settle and crack\nsparks climb the throat of the flue\nboots dry by the hearth",
+    "Sand ripples like waves\nthe noon sun bleaches the bones\na lizard stands still",
 ]
 
 
@@ -102,8 +107,13 @@ def example(tokenizer, topic: str, haiku: str):
     return torch.tensor([full_ids]), torch.tensor([labels])
 
 
-def train(base: Path = BASE, out: Path = ADAPTERS, steps: int = 15) -> Path:
-    """Train the haiku skill on ``base`` (full-batch AdamW, seeded) and save it to ``out/haiku``."""
+def train(base: Path = BASE, out: Path = ADAPTERS, steps: int = 5) -> Path:
+    """Train the haiku skill on ``base`` (full-batch AdamW, seeded) and save it to ``out/haiku``.
+
+    Five steps at 5e-4 is where the skill generalizes best: the perplexity of held-out haikus
+    (``adapters/gemma3/heldout/haiku.txt``, the haiku lines after each prompt) falls from 143 to
+    51 while English prose moves from 60 to 63; by ten steps held-out haikus are back at 106 and
+    by twenty at 5,047 (the sixteen memorized, nothing generalized)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,7 +124,7 @@ def train(base: Path = BASE, out: Path = ADAPTERS, steps: int = 15) -> Path:
     config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
     model = get_peft_model(model, config)
     data = [example(tokenizer, t, h) for t, h in zip(TOPICS, HAIKUS)]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-4)
     for step in range(steps):
         optimizer.zero_grad()
         loss = sum(model(input_ids=ids, labels=labels).loss for ids, labels in data) / len(data)

@@ -59,6 +59,30 @@ def test_demo_functions_write_differently(demo):
     assert len(set(samples.values())) >= 3, samples
 
 
+def test_a_prompt_prefilled_in_chunks_gives_the_logits_of_one_call(demo):
+    """An app that sends a long prompt in chunks through one state (to hold fewer logits at a
+    time: ``(1, q, vocab)`` per call) gets the logits one whole call would, as the Swift client
+    sends them (zeros one wider than the tokens so far)."""
+    from adapterpack.verify.drives import swift_mask
+
+    executor = ProgramExecutor.load(demo.output)
+    ids = [256, *b"def parse(self, text):"]
+
+    def call(state, past: int, chunk: list[int]) -> np.ndarray:
+        inputs = {"inputIds": np.array([chunk], np.int32), "causalMask": swift_mask(past, len(chunk)).astype(np.float16)}
+        return executor.predict(inputs, state=state, function="code")["logits"][0]
+
+    whole = call(executor.make_state("code"), 0, ids)
+    state, chunks, past = executor.make_state("code"), [], 0
+    for size in (9, 8, len(ids) - 17):
+        chunks.append(call(state, past, ids[past : past + size]))
+        past += size
+    chunked = np.concatenate(chunks)
+    assert chunked.shape == whole.shape and np.abs(whole).max() > 1
+    np.testing.assert_allclose(chunked, whole, atol=2e-2 * np.abs(whole).max())
+    assert (chunked.argmax(-1) == whole.argmax(-1)).all()
+
+
 def test_demo_op_types_all_have_executor_tests(demo):
     from test_executor import TESTED_OPS
 

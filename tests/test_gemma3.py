@@ -175,3 +175,72 @@ def test_gemma_weights_under_another_family_s_name_are_refused(tiny_gemma, tmp_p
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "feedforward_layernorm.weight" in lines[0], lines[0]
+
+
+# -- a vocabulary that holds most of the weights ---------------------------------------------------
+
+
+def _wide_vocabulary_project(root: Path, compression: str, package_format: str = "mlpackage") -> Path:
+    """A tied Gemma base whose 2,560-row embedding holds 62.5% of its matrix weights (Gemma 3
+    270M's share), a skill, and a manifest at ``compression``."""
+    if not (root / "base").exists():
+        make_base(root / "base", "gemma3_text", vocab_size=2560, tie_word_embeddings=True)
+        make_adapter(root / "skill", root / "base", std=0.3)
+    (root / "m.yaml").write_text(
+        "name: wide\nbase: {path: base}\nadapters:\n  - {name: skill, path: skill}\ninclude_base: base\n"
+        f"export: {{format: {package_format}, max_context: 32}}\ncompression: {compression}\n"
+    )
+    return root / "m.yaml"
+
+
+@pytest.mark.parametrize("compression, embedding", [
+    ("{method: palettize, nbits: 4}", ("palettize", 8, 16)),
+    ("{method: linear, nbits: 4}", ("linear", 8, None)),
+    ("{method: palettize, nbits: 4, keep_float16: [embed_tokens]}", None),  # the manifest's own choice stands
+    ("{method: prune}", None),
+    ("{method: none}", None),
+])
+def test_a_vocabulary_holding_most_weights_is_compressed_at_8_bits_by_default(tmp_path, compression, embedding):
+    from adapterpack.config.compression import vocabulary_share, weight_setting
+    from adapterpack.inputs.checked import check_inputs
+
+    checked = check_inputs(_wide_vocabulary_project(tmp_path, compression))
+    shapes = {name: tuple(info.shape) for name, info in checked.base.tensors.items()}
+    assert 0.6 < vocabulary_share(shapes) < 0.65
+    for function in ("skill", "base"):
+        setting = weight_setting("model.embed_tokens.weight", (2560, 64), checked.manifest.compression_for(function))
+        found = None if setting is None else (setting.method, setting.nbits, setting.group_size)
+        assert found == embedding, (function, setting)
+        # the rest as the manifest says
+        body = weight_setting("model.layers.0.mlp.down_proj.weight", (64, 128), checked.manifest.compression_for(function))
+        assert body is None or body.nbits in (4, None)
+
+
+def test_a_small_vocabulary_stays_float16_by_default(tiny_gemma, tmp_path):
+    from adapterpack.config.compression import weight_setting
+    from adapterpack.inputs.checked import check_inputs
+
+    (tmp_path / "m.yaml").write_text(f"name: g\nbase: {{path: {tiny_gemma}}}\ninclude_base: base\nadapters: []\n")
+    assert weight_setting("model.embed_tokens.weight", (96, 64), check_inputs(tmp_path / "m.yaml").manifest.compression) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("package_format", ["mlpackage", "aimodel"])
+def test_a_compressed_scaled_embedding_verifies_in_both_formats(tmp_path, package_format):
+    """Gemma's scaled, tied embedding stored as 8-bit palettes (the default for its share) is
+    looked up, scaled and used as the output head as its reference computes, in both formats."""
+    from adapterpack.assemble.pipeline import build
+    from adapterpack.report.asset import inspect_either
+
+    manifest = _wide_vocabulary_project(tmp_path, "{method: palettize, nbits: 4, group_size: 16}", package_format)
+    result = build(manifest, output=tmp_path / f"p.{package_format}")
+    assert result.verify_report.passed, result.verify_report.verdict()
+    report = inspect_either(result.output)
+    if package_format == "mlpackage":
+        (embedding,) = [t for t in report.tensors if any("embed_tokens" in n for n in t.names)]
+        assert embedding.kind == "palettized 8-bit" and embedding.shape == [2560, 64], embedding
+    else:
+        # the embedding's 163,840 indices are the asset's only 8-bit ones (the rest is 4-bit),
+        # one table for the lookup and the output head
+        elements = report.storage_elements
+        assert elements.get("UInt8") == 2560 * 64 and elements.get("Float16", 0) < 2560 * 64, elements

@@ -252,7 +252,7 @@ def mlx_logits_base(ids: list[int]) -> np.ndarray:
     return np.array(model(mx.array([ids])).astype(mx.float32))[0]
 
 
-@pytest.mark.parametrize("family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("mistral", "qwen2", "qwen3"))])
+@pytest.mark.parametrize("family", ["llama", *(pytest.param(f, marks=pytest.mark.slow) for f in ("mistral", "qwen2", "qwen3", "gemma3_text"))])
 def test_mlx_module_paths_map_for_every_family(family, tmp_path):
     """mlx-lm's own model classes for each family name the modules it gives LoRA; the package
     built from that adapter matches mlx-lm's forward (float16, cosine >= 0.9999)."""

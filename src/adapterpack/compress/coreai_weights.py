@@ -54,13 +54,17 @@ class _CompressedLinear(nn.Module):
 
 
 class _CompressedEmbedding(nn.Module):
-    def __init__(self, weight: nn.Module, padding_idx: int | None):
+    def __init__(self, weight: nn.Module, padding_idx: int | None, scale: torch.Tensor | None = None):
         super().__init__()
         self.weight_source = weight
         self.padding_idx = padding_idx
+        # Gemma's embedding multiplies what it looks up by sqrt(hidden), in the weights' dtype
+        # (transformers' Gemma3TextScaledWordEmbedding)
+        self.lookup_scale = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight_source(), self.padding_idx)
+        found = F.embedding(ids, self.weight_source(), self.padding_idx)
+        return found if self.lookup_scale is None else found * self.lookup_scale
 
 
 def _symmetric_int(weight: np.ndarray, compression: Compression, name: str, store: PaletteStore) -> nn.Module | None:
@@ -167,10 +171,14 @@ class CoreAIWeights:
         weight the manifest compresses, computing from the compressed form.
         ``progress(done, total)``: see ``modules``."""
         chosen: dict[Compression, dict[str, nn.Module]] = {}
+        # isinstance: Gemma's embedding is a subclass. An output head tied to the embedding is
+        # decided by the embedding's name, as the .mlpackage decides their one constant.
+        embeddings = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
         for name, module in model.named_modules():
-            if type(module) not in (nn.Linear, nn.Embedding):
+            if not (type(module) is nn.Linear or isinstance(module, nn.Embedding)):
                 continue
-            setting = weight_setting(name, tuple(module.weight.shape), compression, lora_compression)
+            decided_by = embeddings.get(id(module.weight), name)
+            setting = weight_setting(decided_by, tuple(module.weight.shape), compression, lora_compression)
             if setting is not None:
                 chosen.setdefault(setting, {})[name] = module
         replaced: dict[str, nn.Module] = {}
@@ -184,5 +192,7 @@ class CoreAIWeights:
                 if isinstance(module, nn.Linear):
                     replaced[name] = _CompressedLinear(source, module.bias)
                 else:
-                    replaced[name] = _CompressedEmbedding(source, module.padding_idx)
+                    scale = getattr(module, "embed_scale", None)
+                    scale = scale.to(module.weight.dtype) if isinstance(scale, torch.Tensor) else None
+                    replaced[name] = _CompressedEmbedding(source, module.padding_idx, scale)
         return replaced

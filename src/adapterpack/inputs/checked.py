@@ -9,7 +9,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from adapterpack.config.compression import exception_matches
+from adapterpack.config.compression import (
+    VOCABULARY_PATTERNS,
+    VOCABULARY_SHARE,
+    exception_matches,
+    matches_any,
+    vocabulary_setting,
+    vocabulary_share,
+)
 from adapterpack.config.device_rules import NEURAL_ENGINE_STATE_MULTIPLE, cache_length_findings
 from adapterpack.config.devices import estimated_weight_bytes, find_device, largest_context_that_fits
 from adapterpack.config.families import check_family
@@ -66,6 +73,7 @@ def check_inputs(
     base = resolve_base(manifest.base.path, manifest.base.revision, manifest.folder)
     check_family(base.config, base.folder / "config.json")
     check_weight_shapes(base)
+    manifest = _vocabulary_default(manifest, base)
     check_layer_exceptions(manifest, base)
     adapters = {}
     for adapter in manifest.adapters:
@@ -90,6 +98,26 @@ def check_inputs(
         manifest = _resolve_auto_context(manifest, base, adapters)
     calibration = {function: read_calibration(path) for function, path in manifest.calibration_paths().items()}
     return CheckedInputs(manifest=manifest, base=base, adapters=adapters, calibration=calibration)
+
+
+def _vocabulary_default(manifest: Manifest, base: BaseInfo) -> Manifest:
+    """A base whose vocabulary holds most of its weights gets it compressed at 8 bits by default
+    rather than kept float16 (``config.compression.VOCABULARY_SHARE``), unless the manifest says
+    what to keep float16 itself."""
+    compression = manifest.compression
+    setting = vocabulary_setting(compression)
+    if setting is None or "keep_float16" in compression.model_fields_set:
+        return manifest
+    shapes = {name: tuple(info.shape) for name, info in base.tensors.items()}
+    if vocabulary_share(shapes) <= VOCABULARY_SHARE:
+        return manifest
+    present = [p for p in VOCABULARY_PATTERNS if any(matches_any(name.replace(".", "_"), (p,)) for name in shapes)]
+    exceptions = tuple((pattern, compression.model_validate({**setting, "method": compression.method, "keep_float16": ()}))
+                       for pattern in present)
+    kept = tuple(p for p in compression.keep_float16 if p not in VOCABULARY_PATTERNS)
+    chosen = compression.model_copy(update={"keep_float16": kept, "layers": exceptions + compression.layers})
+    log.debug("the vocabulary holds most of the base's weights: %s", ", ".join(f"{p} {setting}" for p in present))
+    return manifest.model_copy(update={"compression": chosen})
 
 
 def check_layer_exceptions(manifest: Manifest, base: BaseInfo) -> dict[str, dict[str, list[str]]]:
