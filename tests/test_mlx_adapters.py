@@ -267,6 +267,12 @@ def test_mlx_module_paths_map_for_every_family(family, tmp_path):
     from factories import make_base
 
     make_base(tmp_path / "base", family)
+    if family == "gemma3_text":
+        # mlx-lm places Gemma 3's global layers by sliding_window_pattern (every n-th), not by
+        # layer_types: the toy's [sliding, full] is a pattern of 2
+        config = json.loads((tmp_path / "base" / "config.json").read_text())
+        assert config["layer_types"] == ["sliding_attention", "full_attention"], config["layer_types"]
+        (tmp_path / "base" / "config.json").write_text(json.dumps(config | {"sliding_window_pattern": 2}))
     model, _ = load_model(tmp_path / "base")
     model.freeze()
     parameters = {"rank": 4, "scale": 8.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]}
