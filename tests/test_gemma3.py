@@ -149,16 +149,8 @@ def test_real_gemma3_float16_package_is_exact_fused_and_kept(gemma3_float16):
 @pytest.mark.slow
 @pytest.mark.parametrize("function", ["haiku", "haiku_kept"])
 def test_real_gemma3_skill_continues_a_prompt_as_its_reference_does(gemma3_float16, function):
-    """The skill's greedy continuation of a real prompt, 32 tokens, equals its float32 reference's
-    (a float16 tie excepted, as ``generate --compare`` judges) and writes a haiku's lines."""
-    from adapterpack.evaluate.generate import generate
-    from adapterpack.inputs.checked import check_inputs
-
     manifest, result = gemma3_float16
-    run = generate(result.output, function, "Write a haiku about the sea.\n", max_new_tokens=32,
-                   checked=check_inputs(manifest), compare=True)
-    assert run.tokens == run.reference_tokens, (run.text, run.reference_text)
-    assert run.text.count("\n") >= 2, run.text
+    _continues_as_its_reference(manifest, result.output, function)
 
 
 def _real_gemma_build(root: Path, base: Path, settings: str, output: str):
