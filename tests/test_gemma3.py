@@ -215,14 +215,16 @@ def test_gemma_weights_under_another_family_s_name_are_refused(tiny_gemma, tmp_p
 # -- a vocabulary that holds most of the weights ---------------------------------------------------
 
 
-def _wide_vocabulary_project(root: Path, compression: str, package_format: str = "mlpackage") -> Path:
+def _wide_vocabulary_project(root: Path, compression: str, package_format: str = "mlpackage", skill_compression: str = "") -> Path:
     """A tied Gemma base whose 2,560-row embedding holds 62.5% of its matrix weights (Gemma 3
-    270M's share), a skill, and a manifest at ``compression``."""
+    270M's share), a skill (with its own ``skill_compression`` block if given), and a manifest at
+    ``compression``."""
     if not (root / "base").exists():
         make_base(root / "base", "gemma3_text", vocab_size=2560, tie_word_embeddings=True)
         make_adapter(root / "skill", root / "base", std=0.3)
+    own = f", compression: {skill_compression}" if skill_compression else ""
     (root / "m.yaml").write_text(
-        "name: wide\nbase: {path: base}\nadapters:\n  - {name: skill, path: skill}\ninclude_base: base\n"
+        f"name: wide\nbase: {{path: base}}\nadapters:\n  - {{name: skill, path: skill{own}}}\ninclude_base: base\n"
         f"export: {{format: {package_format}, max_context: 32}}\ncompression: {compression}\n"
     )
     return root / "m.yaml"
@@ -249,6 +251,23 @@ def test_a_vocabulary_holding_most_weights_is_compressed_at_8_bits_by_default(tm
         # the rest as the manifest says
         body = weight_setting("model.layers.0.mlp.down_proj.weight", (64, 128), checked.manifest.compression_for(function))
         assert body is None or body.nbits in (4, None)
+
+
+@pytest.mark.parametrize("skill_compression, embedding, down_proj", [
+    ("{method: linear, nbits: 4}", ("linear", 8, None), ("linear", 4)),  # another method: its own 8-bit form
+    ("{nbits: 6, layers: {down_proj: {nbits: 8}}}", ("palettize", 8, 16), ("palettize", 8)),  # its own exceptions kept
+    ("{nbits: 6, keep_float16: [embed_tokens]}", None, ("palettize", 6)),
+])
+def test_an_adapter_s_own_compression_gets_the_vocabulary_default_too(tmp_path, skill_compression, embedding, down_proj):
+    from adapterpack.config.compression import weight_setting
+    from adapterpack.inputs.checked import check_inputs
+
+    manifest = _wide_vocabulary_project(tmp_path, "{method: palettize, nbits: 4}", skill_compression=skill_compression)
+    compression = check_inputs(manifest).manifest.compression_for("skill")
+    setting = weight_setting("model.embed_tokens.weight", (2560, 64), compression)
+    assert (None if setting is None else (setting.method, setting.nbits, setting.group_size)) == embedding, compression
+    body = weight_setting("model.layers.0.mlp.down_proj.weight", (64, 128), compression)
+    assert (body.method, body.nbits) == down_proj, compression
 
 
 def test_a_small_vocabulary_stays_float16_by_default(tiny_gemma, tmp_path):

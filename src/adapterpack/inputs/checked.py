@@ -102,22 +102,37 @@ def check_inputs(
 
 def _vocabulary_default(manifest: Manifest, base: BaseInfo) -> Manifest:
     """A base whose vocabulary holds most of its weights gets it compressed at 8 bits by default
-    rather than kept float16 (``config.compression.VOCABULARY_SHARE``), unless the manifest says
-    what to keep float16 itself."""
-    compression = manifest.compression
-    setting = vocabulary_setting(compression)
-    if setting is None or "keep_float16" in compression.model_fields_set:
-        return manifest
+    rather than kept float16 (``config.compression.VOCABULARY_SHARE``), in every function whose
+    compression block (the manifest's, or an adapter's own) does not say what to keep float16."""
     shapes = {name: tuple(info.shape) for name, info in base.tensors.items()}
     if vocabulary_share(shapes) <= VOCABULARY_SHARE:
         return manifest
     present = [p for p in VOCABULARY_PATTERNS if any(matches_any(name.replace(".", "_"), (p,)) for name in shapes)]
-    exceptions = tuple((pattern, compression.model_validate({**setting, "method": compression.method, "keep_float16": ()}))
-                       for pattern in present)
-    kept = tuple(p for p in compression.keep_float16 if p not in VOCABULARY_PATTERNS)
-    chosen = compression.model_copy(update={"keep_float16": kept, "layers": exceptions + compression.layers})
-    log.debug("the vocabulary holds most of the base's weights: %s", ", ".join(f"{p} {setting}" for p in present))
-    return manifest.model_copy(update={"compression": chosen})
+
+    def widened(compression, keeps_its_own: bool):
+        setting = vocabulary_setting(compression)
+        if keeps_its_own or setting is None:
+            return compression
+        # after the manifest's own exceptions: a pattern it wrote for these weights decides them
+        exceptions = tuple(
+            (pattern, compression.model_validate({**setting, "method": compression.method, "keep_float16": ()}))
+            for pattern in present
+        )
+        kept = tuple(p for p in compression.keep_float16 if p not in VOCABULARY_PATTERNS)
+        return compression.model_copy(update={"keep_float16": kept, "layers": compression.layers + exceptions})
+
+    block_keeps = "keep_float16" in manifest.compression.model_fields_set
+    adapters = []
+    for adapter in manifest.adapters:
+        if adapter.compression is not None:
+            # its own block, merged over the manifest's, widened and put in its place whole
+            own = widened(manifest.compression_for(adapter.name), block_keeps or "keep_float16" in adapter.compression)
+            adapter = adapter.model_copy(update={"compression": own.model_dump(mode="json")})
+        adapters.append(adapter)
+    log.debug("the vocabulary holds most of the base's weights: %s at 8 bits by default", ", ".join(present))
+    return manifest.model_copy(
+        update={"compression": widened(manifest.compression, block_keeps), "adapters": tuple(adapters)}
+    )
 
 
 def check_layer_exceptions(manifest: Manifest, base: BaseInfo) -> dict[str, dict[str, list[str]]]:
