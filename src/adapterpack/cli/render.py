@@ -324,11 +324,11 @@ def print_budget(shape, estimate, budget: list[dict]) -> None:
         f"activations {activations} (estimate) = {human_size(estimate.need_bytes)}",
         highlight=False,
     )
-    if estimate.vocab:
-        per_token = estimate.logits_bytes_per_token
+    if shape.vocab:
+        per_token = shape.logits_bytes_per_token()
         out.print(
-            f"logits per call: (1, q, {estimate.vocab}) float16, {human_size(per_token)} a token: "
-            f"{human_size(per_token * estimate.largest_query)} for a {estimate.largest_query}-token prefill "
+            f"logits per call: (1, q, {shape.vocab}) float16, {human_size(per_token)} a token: "
+            f"{human_size(per_token * shape.max_context)} for a {shape.max_context}-token prefill "
             "(prefill in chunks to hold less)",
             highlight=False,
         )

@@ -117,6 +117,12 @@ class ModelShape:
         """Every state of a function: what ``makeState()`` allocates on the device."""
         return self.kv_cache_bytes() + self.other_state_bytes
 
+    def logits_bytes_per_token(self) -> int:
+        """The float16 logits one call returns per token it is given: a ``(1, q, vocab)`` output,
+        all of it alive when the call returns (part of the activations' estimate); 0 when the
+        vocabulary could not be read."""
+        return 2 * (self.vocab or 0)
+
 
 @dataclass
 class PackageReport:

@@ -29,14 +29,6 @@ class MemoryEstimate:
     kv_bytes: int
     activation_bytes: int  # 0 when the vocabulary or hidden size could not be read
     activations_known: bool
-    vocab: int | None = None
-    largest_query: int = 0  # tokens of the largest call: a prefill of max_context
-
-    @property
-    def logits_bytes_per_token(self) -> int:
-        """The float16 logits one call returns per token it is given: a ``(1, q, vocab)`` output,
-        all of it alive when the call returns (part of ``activation_bytes``)."""
-        return 2 * (self.vocab or 0)
 
     @property
     def need_bytes(self) -> int:
@@ -74,8 +66,6 @@ def memory_estimate(report: PackageReport) -> MemoryEstimate | None:
         kv_bytes=shape.state_bytes(),
         activation_bytes=activations,
         activations_known=known,
-        vocab=shape.vocab,
-        largest_query=shape.max_context,
     )
 
 
@@ -124,7 +114,7 @@ def inspection_json(report, estimate, budget: list[dict], top: int) -> dict:
         "kv_bytes": estimate.kv_bytes,
         "activation_bytes": estimate.activation_bytes,
         "activations_known": estimate.activations_known,
-        "logits_bytes_per_token": estimate.logits_bytes_per_token,
+        "logits_bytes_per_token": report.shape.logits_bytes_per_token(),
         "need_bytes": estimate.need_bytes,
         "devices": budget,
     }
