@@ -119,55 +119,61 @@ def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
     return dense, total
 
 
+def looked_up(store, value, setting):
+    """``value`` (float16, numpy) palettized with ``setting`` by ``store`` and looked up again:
+    the dense float32 weight the palettes and indices stand for (Core AI's own lookup repeats
+    each group's palette per weight: a 262k-row table at 8 bits would take 80 GB)."""
+    import numpy as np
+    import torch
+
+    from adapterpack.compress.palettes import grouped_rows
+
+    luts, indices = store.tensor_palettes([grouped_rows(value, setting)], setting.nbits)[0]
+    rows = np.take_along_axis(luts.astype(np.float16).astype(np.float32), indices.astype(np.int64), 1)
+    return torch.from_numpy(rows.reshape(value.shape))
+
+
 _EMBEDDINGS: dict[tuple, tuple[dict, int]] = {}  # functions that leave the embedding alone share it
 
 
 def embedding_weights(model, label: str) -> tuple[dict, int]:
     """``compressed_weights`` of the token embedding alone, compressed data-free as ``label`` says
     (``keep_float16`` emptied): {its module name: dense float32 weight}, and its bytes."""
-    import numpy as np
     import torch
     from torch import nn
 
     from adapterpack.compress.coreai_weights import CoreAIWeights
-    from adapterpack.compress.palettes import PaletteStore, grouped_rows
+    from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.compression import compressed_bytes, weight_setting
     from adapterpack.config.manifest import Compression
 
     compression = Compression(**COMPRESSIONS[label], keep_float16=())
     name, embedding = next((n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding))
-    # its table as a plain embedding (Gemma's scales at lookup, which the model still does) under
-    # its own name, so the one rule decides it as it decides the build's
-    holder = nn.Module()
-    holder.add_module(name.replace(".", "_"), nn.Embedding.from_pretrained(embedding.weight.detach()))
     shape = tuple(embedding.weight.shape)
     key = (label, name, float(embedding.weight.detach().double().sum()))
     if key not in _EMBEDDINGS:
         setting = weight_setting(name, shape, compression)
-        size = compressed_bytes(shape, setting)
         with torch.no_grad():
             if setting.method == "palettize":
-                # the palettes themselves, looked up: Core AI's own lookup repeats each group's
-                # palette per weight (a 262k-row table at 8 bits would take 80 GB)
-                value = embedding.weight.detach().half().numpy()
-                luts, indices = PaletteStore().tensor_palettes([grouped_rows(value, setting)], setting.nbits)[0]
-                rows = np.take_along_axis(luts.astype(np.float16).astype(np.float32), indices.astype(np.int64), 1)
-                dense = torch.from_numpy(rows.reshape(shape))
+                dense = looked_up(PaletteStore(), embedding.weight.detach().half().numpy(), setting)
             else:
+                # its table as a plain embedding (Gemma's scales at lookup, which the model still
+                # does) under its own name, so the one rule decides it as it decides the build's
+                holder = nn.Module()
+                holder.add_module(name.replace(".", "_"), nn.Embedding.from_pretrained(embedding.weight.detach()))
                 (module,) = CoreAIWeights(PaletteStore()).replacements(holder, compression).values()
                 dense = module.weight_source().float()
-            _EMBEDDINGS[key] = {name: dense}, size
+        _EMBEDDINGS[key] = {name: dense}, compressed_bytes(shape, setting)
     return _EMBEDDINGS[key]
 
 
 def emulated_weights(model, compression, label: str) -> tuple[dict, int]:
     """``compressed_weights`` of an ``EMULATED`` form: data-free palettes in groups of 16 of each
     weight the build compresses, with per-channel scales or outliers kept exact."""
-    import numpy as np
     import torch
     from torch import nn
 
-    from adapterpack.compress.palettes import PaletteStore, grouped_rows
+    from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.compression import weight_setting
 
     dense, total = {}, weight_bytes(model, compression)
@@ -181,10 +187,7 @@ def emulated_weights(model, compression, label: str) -> tuple[dict, int]:
         if label == "palettize-4-channel-scale":
             scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-8).half().float()
             total += 2 * weight.shape[0]
-        value = (weight / scale).half().numpy()
-        luts, indices = store.tensor_palettes([grouped_rows(value, setting)], setting.nbits)[0]
-        luts = luts.astype(np.float16).astype(np.float32)
-        rebuilt = torch.from_numpy(np.take_along_axis(luts, indices.astype(np.int64), 1).reshape(weight.shape)) * scale
+        rebuilt = looked_up(store, (weight / scale).half().numpy(), setting) * scale
         if label == "palettize-4-outliers":
             kept = max(1, int(OUTLIER_SHARE * weight.numel()))
             where = torch.topk(weight.abs().flatten(), kept).indices
@@ -228,23 +231,31 @@ def figures(got, reference, base, targets) -> dict[str, float]:
     return found
 
 
-def compared(model, compression, label: str, ids: list[int], window: int, reference, base_logits, targets, importance=None,
-             embedding: str | None = None) -> dict:
-    """``model`` with its weights compressed by ``compression`` (and its embedding by the
-    ``embedding`` label, when given), against ``reference``; the model's weights are restored after."""
-    import torch
-    from torch import nn
-
+def compressed_form(model, compression, label: str, importance=None) -> tuple[dict, int, float]:
+    """(``compressed_weights`` or ``emulated_weights`` of ``label``, seconds it took)."""
     began = time.perf_counter()
     if label in EMULATED:
         dense, size = emulated_weights(model, compression, label)
     else:
         dense, size = compressed_weights(model, compression, importance)
+    return dense, size, time.perf_counter() - began
+
+
+def compared(model, compressed: tuple[dict, int, float], ids: list[int], window: int, reference, base_logits, targets,
+             embedding: str | None = None) -> dict:
+    """``model`` with its weights as ``compressed`` (``compressed_form``) stores them (and its
+    embedding compressed by the ``embedding`` label, when given), against ``reference``; the
+    model's weights are restored after."""
+    import torch
+    from torch import nn
+
+    dense, size, seconds = compressed
+    began = time.perf_counter() - seconds
     if embedding is not None:
         own, own_size = embedding_weights(model, embedding)
         kept = next(m for m in model.modules() if isinstance(m, nn.Embedding)).weight
-        size += own_size - 2 * kept.numel()  # what ``compression`` stored for it: float16
-        dense |= own
+        size += own_size - 2 * kept.numel()  # what the compression stored for it: float16
+        dense = dense | own
     originals = {name: p.detach().clone() for name, p in model.named_parameters()}
     try:
         with torch.no_grad():
@@ -319,10 +330,12 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
                 if label.endswith("weighted"):
                     # the same statistics, no Gram matrices: nearest entries
                     weighted = ChannelImportance(importance.energies)
+                # the rest of the function compressed once for every embedding it is measured with
+                compressed = compressed_form(model, compression, label, weighted)
                 for embedding in [None, *(embeddings or [])]:
                     row = f"{label} + embedding {embedding}" if embedding else label
-                    rows[row] = compared(model, compression, label, ids, window, reference, base_logits if adapter else None,
-                                         targets, weighted, embedding)
+                    rows[row] = compared(model, compressed, ids, window, reference, base_logits if adapter else None,
+                                         targets, embedding)
                     rows[row]["compression"] = compression.describe()
                     print(f"{function} {row}: {rows[row]}", file=sys.stderr, flush=True)
         results["functions"][function] = rows
