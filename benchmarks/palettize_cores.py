@@ -1,11 +1,14 @@
-"""Palettization on one core and on two: the k-means stage of a build, side by side.
+"""Palettization on one core and on two, per palette granularity: the k-means stage of a build,
+side by side.
 
 Clusters the weights of some decoder layers of a model shape (random float16, 4-bit,
-per_grouped_channel, group 16) through ``PaletteStore.in_order``, the path the build streams
-every weight through, once with one worker and once with ``PALETTE_WORKERS``, and checks that
-both give identical palettes. Reports weights per second and the speed-up, from one run.
+per_grouped_channel) through ``PaletteStore.in_order``, the path the build streams every weight
+through, once with one worker and once with ``PALETTE_WORKERS``, and checks that both give
+identical palettes; for each ``--group-size`` (16: the default with calibration text; 1, one
+palette per output channel: the data-free default at 4 bits). Reports weights per second, the
+speed-up, and each group size's speed per weight against the first's, from one run.
 
-    .venv/bin/python benchmarks/palettize_cores.py [--shape 3b] [--layers 2]
+    .venv/bin/python benchmarks/palettize_cores.py [--shape 3b] [--layers 2] [--group-size 16 --group-size 1]
 """
 
 from __future__ import annotations
@@ -50,31 +53,21 @@ def timed(weights: list[np.ndarray], compression: Compression, workers: int | No
     return time.perf_counter() - started, found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-
-    compression = Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=16)
-    weights = layer_weights(args.shape, args.layers)
+def measured(weights: list[np.ndarray], group_size: int) -> dict:
+    compression = Compression(method="palettize", nbits=4, granularity="per_grouped_channel", group_size=group_size)
     total = sum(w.size for w in weights)
     parallel = palettes.PALETTE_WORKERS
     serial, reference = timed(weights, compression, None)
     one, first = timed(weights, compression, 1)
     two, second = timed(weights, compression, parallel)
+    palettes.PALETTE_WORKERS = parallel
     identical = all(
         np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and np.array_equal(a[0], c[0]) and np.array_equal(a[1], c[1])
         for a, b, c in zip(reference, first, second)
     )
     import torch
 
-    figures = {
-        "shape": args.shape,
-        "layers": args.layers,
-        "weights": total,
-        "cores": len(__import__("os").sched_getaffinity(0)),
+    return {
         f"serial_torch_{torch.get_num_threads()}_threads_seconds": round(serial, 2),
         "one_worker_seconds": round(one, 2),
         f"{parallel}_workers_seconds": round(two, 2),
@@ -84,10 +77,33 @@ def main() -> None:
         "speedup_over_one_worker": round(one / two, 2),
         "identical_palettes": identical,
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--group-size", type=int, action="append", help="repeatable; default 16 and 1")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    weights = layer_weights(args.shape, args.layers)
+    sizes = args.group_size or [16, 1]
+    figures = {
+        "shape": args.shape,
+        "layers": args.layers,
+        "weights": sum(w.size for w in weights),
+        "cores": len(__import__("os").sched_getaffinity(0)),
+        "group_size": {size: measured(weights, size) for size in sizes},
+    }
+    rate = f"{palettes.PALETTE_WORKERS}_workers_weights_per_second"
+    first = figures["group_size"][sizes[0]][rate]
+    for size in sizes[1:]:
+        figures[f"group_size_{size}_speed_over_{sizes[0]}"] = round(figures["group_size"][size][rate] / first, 2)
     print(json.dumps(figures, indent=2))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
-    if not identical:
+    if not all(f["identical_palettes"] for f in figures["group_size"].values()):
         sys.exit("the palettes differ between one and two workers")
 
 

@@ -146,6 +146,30 @@ def test_each_group_is_clustered_as_if_alone(nbits, weighted):
         np.testing.assert_array_equal(alone[1][0], labels[row], err_msg=f"row {row}")
 
 
+@pytest.mark.parametrize("length", [1, 2, 3, 7, 8, 9, 1000])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_searched_rows_count_as_torch_searchsorted(length, dtype):
+    """The k-means' branchless search (rows padded with +inf, float16 rows against float64
+    queries, a subset of rows by number) answers what torch.searchsorted does, on both sides of
+    repeated values and of queries equal to a value."""
+    import torch
+
+    from adapterpack.compress.kmeans import _SearchedRows
+
+    rng = np.random.default_rng(length)
+    rows = np.sort(np.round(rng.normal(size=(6, length)) * 4) / 4, axis=1).astype(dtype)
+    queries = np.sort(np.concatenate([rng.normal(size=(6, 5)), rows[:, :3] if length >= 3 else rows, rows[:, -1:] + 1e-3], axis=1), axis=1)
+    ordered = torch.from_numpy(rows.astype(np.float32))
+    wide = torch.from_numpy(queries)
+    searched = _SearchedRows(ordered, torch.float16 if dtype == np.float16 else torch.float32)
+    exact = torch.from_numpy(rows.astype(np.float64))
+    for right in (False, True):
+        expected = torch.searchsorted(exact, wide, right=right)
+        assert torch.equal(searched.count_below(wide, right=right), expected)
+        at = torch.tensor([4, 1, 1])
+        assert torch.equal(searched.count_below(wide[at], right=right, at=at), expected[at])
+
+
 def test_disk_cache_returns_what_was_computed(tmp_path):
     from adapterpack.assemble.cache import BuildCache
 

@@ -3,7 +3,9 @@
 One-dimensional k-means needs no pass over all values per iteration: with each group's values
 sorted once and their prefix sums kept, a Lloyd step finds the cluster boundaries by
 ``searchsorted`` of the centroid midpoints and the cluster sums by prefix-sum differences, so it
-costs O(k log n) per group instead of O(n k). All groups of a tensor run together, vectorized.
+costs O(k log n) per group instead of O(n k). All groups of a tensor run together, vectorized,
+and each step computes only the groups still moving: one palette per output channel (the
+data-free default) means thousands of short groups, most of which converge in a few steps.
 
 Lloyd only finds a local optimum, and on trained weights the one it finds from evenly spaced
 quantiles is poor: a real checkpoint's weights are heavy-tailed and (stored in bfloat16) take
@@ -34,23 +36,48 @@ SPLIT_STEPS = 4  # Lloyd steps of each cluster's own 2-means (where to split it)
 _TINY = 1e-300
 
 
-def batched_searchsorted(rows: torch.Tensor, queries: torch.Tensor, *, right: bool) -> torch.Tensor:
-    """``torch.searchsorted`` for few queries per long sorted row, by a vectorized binary search.
+class _SearchedRows:
+    """Sorted rows, searched many times with few queries per row: per query, how many of its
+    row's values lie below it (``torch.searchsorted``'s answer).
 
-    torch's batched searchsorted costs time proportional to the rows' length per call here; this
-    takes ceil(log2(n + 1)) gathers of only (rows, queries) elements.
+    A branchless binary search, vectorized over every query: the position grows by each power of
+    two, largest first, where the value it would step past is still below the query. The rows
+    are padded with +inf to one less than twice the largest power of two in their length, so no
+    step needs a bounds check, and kept flat, so a subset of rows (``at``) is searched without
+    copying it. torch's batched searchsorted costs time proportional to the rows' length here;
+    this costs log2(n) reads of one value per query, which are random reads: the rows are kept
+    in ``dtype``, the narrowest that holds them exactly (a comparison with a wider query promotes
+    the value exactly).
     """
-    n_rows, n = rows.shape
-    low = torch.zeros(queries.shape, dtype=torch.long)
-    high = torch.full(queries.shape, n, dtype=torch.long)
-    for _ in range(max(1, n).bit_length()):
-        middle = (low + high) // 2
-        value = torch.gather(rows, 1, middle.clamp(max=n - 1))
-        go_right = (value <= queries) if right else (value < queries)
-        go_right &= middle < high
-        low = torch.where(go_right, middle + 1, low)
-        high = torch.where(go_right, high, middle)
-    return low
+
+    def __init__(self, ordered: torch.Tensor, dtype: torch.dtype):
+        n_groups, n = ordered.shape
+        self.top = 1 << (max(1, n).bit_length() - 1)
+        self.width = 2 * self.top - 1
+        padded = torch.full((n_groups, self.width), torch.inf, dtype=dtype)
+        padded[:, :n] = ordered
+        self.flat = padded.reshape(-1)
+        self.n_groups = n_groups
+
+    def count_below(self, queries: torch.Tensor, *, right: bool, at: torch.Tensor | None = None) -> torch.Tensor:
+        """(G, q) counts of values < each query (<= with ``right``), in row ``i`` of the rows or
+        row ``at[i]``. Queries must be finite."""
+        starts = ((torch.arange(self.n_groups) if at is None else at) * self.width)[:, None]
+        position = starts.expand(queries.shape).clone()
+        step = self.top
+        while step:
+            value = torch.take(self.flat, position + (step - 1))
+            position += ((value <= queries) if right else (value < queries)) * step
+            step >>= 1
+        return position - starts
+
+
+def _gathered(rows: torch.Tensor, columns: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:
+    """``rows[i, columns[i, j]]``, or with ``at`` ``rows[at[i], columns[i, j]]``."""
+    if at is None:
+        return torch.gather(rows, 1, columns)
+    # A flat take: advanced indexing rows[at[:, None], columns] is several times slower.
+    return torch.take(rows, columns + (at * rows.shape[1])[:, None])
 
 
 def _sort_rows(groups: np.ndarray, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,14 +105,18 @@ class _SortedRows:
     is weighted: a cluster's "count" is its total weight, its mean the weighted mean, its error
     the weighted squared error. Equal weights give the unweighted palettes."""
 
-    def __init__(self, ordered: torch.Tensor, importance: torch.Tensor | None = None):
-        self.values = ordered.to(torch.float64)
-        n_groups, n = self.values.shape
-        weighted = self.values if importance is None else self.values * importance
+    def __init__(self, ordered: torch.Tensor, importance: torch.Tensor | None = None, exact_in: torch.dtype = torch.float32):
+        values = ordered.to(torch.float64)
+        n_groups, n = values.shape
+        # Searched in the narrowest dtype that holds them exactly (``exact_in``: float16 for
+        # float16 weights, a quarter of float64's bytes): the searches' random reads dominate.
+        self.values = _SearchedRows(ordered, exact_in)
+        self.n = n
+        weighted = values if importance is None else values * importance
         self.sums = torch.zeros((n_groups, n + 1), dtype=torch.float64)
         self.sums[:, 1:] = torch.cumsum(weighted, dim=1)
         self.squares = torch.zeros((n_groups, n + 1), dtype=torch.float64)
-        self.squares[:, 1:] = torch.cumsum(weighted * self.values, dim=1)
+        self.squares[:, 1:] = torch.cumsum(weighted * values, dim=1)
         self.weights = None
         if importance is not None:
             self.weights = torch.zeros((n_groups, n + 1), dtype=torch.float64)
@@ -93,52 +124,66 @@ class _SortedRows:
         self.starts = torch.zeros((n_groups, 1), dtype=torch.long)
         self.ends = torch.full((n_groups, 1), n, dtype=torch.long)
 
-    def bounds(self, centroids: torch.Tensor) -> torch.Tensor:
-        """(G, k + 1) sorted positions where each centroid's cluster starts, and the end."""
+    def bounds(self, centroids: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
+        """(G, k + 1) sorted positions where each centroid's cluster starts, and the end (of
+        the groups ``at``, when given: every method takes it, so that work shrinks to the
+        groups still moving without copying their values)."""
         midpoints = (centroids[:, 1:] + centroids[:, :-1]) / 2
-        return torch.cat((self.starts, batched_searchsorted(self.values, midpoints, right=False), self.ends), dim=1)
+        starts, ends = (self.starts, self.ends) if at is None else (self.starts[at], self.ends[at])
+        return torch.cat((starts, self.values.count_below(midpoints, right=False, at=at), ends), dim=1)
 
-    def clusters(self, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def clusters(self, bounds: torch.Tensor, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Count, sum and squared error of the values between consecutive ``bounds``."""
-        return self.between(bounds[:, :-1], bounds[:, 1:])
+        return self.between(bounds[:, :-1], bounds[:, 1:], at)
 
-    def between(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def between(self, low: torch.Tensor, high: torch.Tensor, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Count, sum and squared error of the sorted values from ``low`` to ``high`` (exclusive)."""
         if self.weights is None:
             counts = (high - low).to(torch.float64)
         else:
-            counts = torch.gather(self.weights, 1, high) - torch.gather(self.weights, 1, low)
-        sums = torch.gather(self.sums, 1, high) - torch.gather(self.sums, 1, low)
-        squares = torch.gather(self.squares, 1, high) - torch.gather(self.squares, 1, low)
+            counts = _gathered(self.weights, high, at) - _gathered(self.weights, low, at)
+        sums = _gathered(self.sums, high, at) - _gathered(self.sums, low, at)
+        squares = _gathered(self.squares, high, at) - _gathered(self.squares, low, at)
         return counts, sums, (squares - sums * sums / counts.clamp(min=_TINY)).clamp(min=0)
 
-    def halves(self, bounds: torch.Tensor, means: torch.Tensor):
+    def halves(self, bounds: torch.Tensor, means: torch.Tensor, at: torch.Tensor | None = None):
         """Each cluster cut in two by a few Lloyd steps of its own, starting at its mean: the
         halves' (counts, sums, errors), shaped (G, k, 2)."""
         low, high = bounds[:, :-1], bounds[:, 1:]
         n_groups, k = means.shape
         split_at = means
         for _ in range(SPLIT_STEPS + 1):
-            cut = torch.minimum(torch.maximum(batched_searchsorted(self.values, split_at, right=False), low), high)
-            counts, sums, errors = self.between(torch.stack((low, cut), dim=2).reshape(n_groups, -1), torch.stack((cut, high), dim=2).reshape(n_groups, -1))
+            cut = torch.minimum(torch.maximum(self.values.count_below(split_at, right=False, at=at), low), high)
+            counts, sums, errors = self.between(
+                torch.stack((low, cut), dim=2).reshape(n_groups, -1), torch.stack((cut, high), dim=2).reshape(n_groups, -1), at
+            )
             halves = _means(counts, sums, means.repeat_interleave(2, dim=1)).reshape(n_groups, k, 2)
             split_at = halves.mean(dim=2)
         return counts.reshape(n_groups, k, 2), sums.reshape(n_groups, k, 2), errors.reshape(n_groups, k, 2)
 
-    def lloyd(self, centroids: torch.Tensor, steps: int) -> torch.Tensor:
+    def lloyd(self, centroids: torch.Tensor, steps: int, at: torch.Tensor | None = None) -> torch.Tensor:
+        """Up to ``steps`` Lloyd steps of each group (of the groups ``at``), each group stopping
+        when its centroids stop moving: a group that has converged is a fixed point, so only
+        the groups still moving are computed (on real weights most stop within a few dozen
+        steps, a few run to the cap), and a group's result does not depend on its batch."""
+        centroids = centroids.clone()
+        moving = torch.arange(len(centroids))
         for _ in range(steps):
-            counts, sums, _ = self.clusters(self.bounds(centroids))
-            updated = _means(counts, sums, centroids)
+            rows = moving if at is None else at[moving]
+            current = centroids[moving]
+            counts, sums, _ = self.clusters(self.bounds(current, rows), rows)
             # Keep centroids sorted (empty clusters keep their old place, which may break the order).
-            updated, _ = torch.sort(updated, dim=1)
-            if torch.equal(updated, centroids):
+            updated, _ = torch.sort(_means(counts, sums, current), dim=1)
+            changed = (updated != current).any(dim=1)
+            centroids[moving] = updated
+            moving = moving[changed]
+            if not len(moving):
                 break
-            centroids = updated
         return centroids
 
     def grown(self, k: int) -> torch.Tensor:
         """k centroids by doubling from the mean: every cluster replaced by its halves' means."""
-        total = self.values.shape[1] if self.weights is None else self.weights[:, -1:].clamp(min=1e-300)
+        total = self.n if self.weights is None else self.weights[:, -1:].clamp(min=1e-300)
         centroids = self.sums[:, -1:] / total
         while centroids.shape[1] < k:
             bounds = self.bounds(centroids)
@@ -150,15 +195,18 @@ class _SortedRows:
         return centroids
 
     def moved(self, centroids: torch.Tensor) -> torch.Tensor:
-        """Move centroids, one per group per round, from the cheapest merge to the best split."""
-        n_groups, k = centroids.shape
-        rows = torch.arange(n_groups)
+        """Move centroids, one per group per round, from the cheapest merge to the best split;
+        a group stops at the first round whose move would not lower its error."""
+        centroids = centroids.clone()
+        k = centroids.shape[1]
         pairs = torch.arange(k - 1)[None]
+        moving = torch.arange(len(centroids))
         for _ in range(MOVE_ROUNDS):
-            bounds = self.bounds(centroids)
-            counts, sums, errors = self.clusters(bounds)
-            means = _means(counts, sums, centroids)
-            half_counts, half_sums, half_errors = self.halves(bounds, means)
+            current = centroids[moving]
+            bounds = self.bounds(current, moving)
+            counts, sums, errors = self.clusters(bounds, moving)
+            means = _means(counts, sums, current)
+            half_counts, half_sums, half_errors = self.halves(bounds, means, moving)
             gain = errors - half_errors.sum(dim=2)
             split = gain.argmax(dim=1)
             # Merging adjacent clusters a, b costs n_a n_b / (n_a + n_b) (mean_a - mean_b)^2 (an
@@ -167,17 +215,20 @@ class _SortedRows:
             cost = n_a * n_b / (n_a + n_b).clamp(min=_TINY) * (means[:, 1:] - means[:, :-1]) ** 2
             cost = torch.where((pairs == split[:, None]) | (pairs + 1 == split[:, None]), torch.inf, cost)
             merge = cost.argmin(dim=1)
+            rows = torch.arange(len(moving))
             better = gain[rows, split] > cost[rows, merge] * (1 + 1e-9)
-            if not bool(better.any()):
+            # only the groups that move take Lloyd steps: a group's palette must not depend on
+            # the groups it is batched with (one that stopped at the step cap is no fixed point)
+            moving, rows, split, merge = moving[better], rows[better], split[better], merge[better]
+            if not len(moving):
                 break
             together = counts[rows, merge] + counts[rows, merge + 1]
-            moved = centroids.clone()
-            moved[rows, merge] = _means(together, sums[rows, merge] + sums[rows, merge + 1], centroids[rows, merge])
+            moved = current[rows].clone()
+            picked = torch.arange(len(rows))
+            moved[picked, merge] = _means(together, sums[rows, merge] + sums[rows, merge + 1], current[rows, merge])
             halves = _means(half_counts, half_sums, means[:, :, None])[rows, split]
-            moved[rows, merge + 1], moved[rows, split] = halves[:, 0], halves[:, 1]
-            # only the groups that moved take Lloyd steps: a group's palette must not depend on
-            # the groups it is batched with (one that stopped at the step cap is no fixed point)
-            centroids = torch.where(better[:, None], self.lloyd(torch.sort(moved, dim=1)[0], MOVE_STEPS), centroids)
+            moved[picked, merge + 1], moved[picked, split] = halves[:, 0], halves[:, 1]
+            centroids[moving] = self.lloyd(torch.sort(moved, dim=1)[0], MOVE_STEPS, moving)
         return centroids
 
 
@@ -197,7 +248,7 @@ def kmeans_1d(
     weights = None
     if importance is not None:
         weights = torch.gather(torch.from_numpy(np.ascontiguousarray(importance, dtype=np.float64)), 1, permutation)
-    rows = _SortedRows(ordered, weights)
+    rows = _SortedRows(ordered, weights, torch.float16 if groups.dtype == np.float16 else torch.float32)
     centroids = rows.moved(rows.lloyd(rows.grown(k), iterations))
 
     lut = centroids.to(torch.float32)
@@ -205,7 +256,7 @@ def kmeans_1d(
     # positions: O(n), instead of a binary search per value. A value equal to a midpoint goes to
     # the lower cluster, as searchsorted(midpoints, value) would place it.
     midpoints = ((centroids[:, 1:] + centroids[:, :-1]) / 2).to(torch.float32).contiguous()
-    cuts = batched_searchsorted(ordered, midpoints, right=True)
+    cuts = rows.values.count_below(midpoints, right=True)
     steps = torch.zeros((n_groups, n + 1), dtype=torch.int16)
     steps.scatter_add_(1, cuts, torch.ones_like(cuts, dtype=torch.int16))
     labels_sorted = torch.cumsum(steps[:, :n], dim=1, dtype=torch.int16)
