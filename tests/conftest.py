@@ -1,6 +1,12 @@
 import sys
 from pathlib import Path
 
+from adapterpack.threads import use_machine_threads
+
+# As the command line does, before numpy or torch loads: the suite runs two workers and the
+# builds' own subprocesses on two cores, where spinning thread pools would wait on each other.
+use_machine_threads()
+
 # Test helpers (factories.py) live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 

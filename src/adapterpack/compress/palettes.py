@@ -25,6 +25,7 @@ from adapterpack.compress.compensation import compensated_indices
 from adapterpack.compress.importance import ChannelImportance
 from adapterpack.compress.kmeans import kmeans_1d, palettize_group
 from adapterpack.config.manifest import Compression
+from adapterpack.threads import available_cores
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,10 @@ COMPENSATION_ALGORITHM = "gptq-act-order-v1"
 # Rows of k-means solved at once: bounds the temporary sort/prefix-sum buffers.
 PRIME_BATCH_VALUES = 1 << 24
 
-# Batches clustered at once by ``in_order``: one per core of the machines builds run on.
-PALETTE_WORKERS = 2
+# Batches clustered at once by ``in_order``: one per core the build may use, at most four (each
+# holds a batch's sort and prefix sums, about 0.8 GB, and past a few the workers mostly wait
+# for each other's Python dispatch, which holds the GIL).
+PALETTE_WORKERS = min(4, available_cores())
 
 Palettes = tuple[np.ndarray, np.ndarray]  # (luts, indices)
 
