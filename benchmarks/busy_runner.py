@@ -9,7 +9,7 @@ long. The configurations are environments the build runs under; the first is wha
 ``adapterpack`` does by itself, the others what it did before (the thread pools of torch, its
 OpenMP runtime and numpy's BLAS each sized to the cores and spinning while they wait).
 
-    .venv/bin/python benchmarks/busy_runner.py [--load 2] [--repeat 1] [--json F]
+    .venv/bin/python benchmarks/busy_runner.py [--load 2] [--repeat 1] [--alternatives] [--json F]
 """
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ ADAPTERPACK = REPO / ".venv" / "bin" / "adapterpack"
 CONFIGURATIONS = {
     "adapterpack": {},
     "spinning pools (before)": {"ADAPTERPACK_THREADS": "library-defaults"},
+}
+# With --alternatives: the other settings tried (each on top of the libraries' defaults).
+ALTERNATIVES = {
+    "one OpenMP thread": {"ADAPTERPACK_THREADS": "library-defaults", "OMP_NUM_THREADS": "1"},
+    "passive waiting only": {"ADAPTERPACK_THREADS": "library-defaults", "OMP_WAIT_POLICY": "PASSIVE"},
+    "one BLAS thread": {"ADAPTERPACK_THREADS": "library-defaults", "OPENBLAS_NUM_THREADS": "1"},
+    "short spin": {"ADAPTERPACK_THREADS": "library-defaults", "GOMP_SPINCOUNT": "10000"},
 }
 
 
@@ -75,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--load", type=int, default=2, help="CPU-bound processes beside the build (default 2)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each measurement; the median is reported")
+    parser.add_argument("--alternatives", action="store_true", help="also the other thread settings tried (ALTERNATIVES)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -84,7 +92,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         timed_build({}, folder)  # warm the file cache: the first build reads every library from disk
-        for name, environment in CONFIGURATIONS.items():
+        configurations = {**CONFIGURATIONS, **(ALTERNATIVES if args.alternatives else {})}
+        for name, environment in configurations.items():
             alone = statistics.median(timed_build(environment, folder) for _ in range(args.repeat))
             loaded = statistics.median(beside_load(environment, folder, args.load) for _ in range(args.repeat))
             figures["configurations"][name] = {
