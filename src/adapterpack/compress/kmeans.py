@@ -92,6 +92,15 @@ def _sort_rows(groups: np.ndarray, data: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.gather(data, 1, permutation), permutation
 
 
+def _prefix_sums(rows: torch.Tensor) -> torch.Tensor:
+    """(G, n + 1) float64: 0, then each row's running sum. Summed straight into its place: a
+    temporary and a copy of the whole buffer took most of the time the prefix sums took."""
+    sums = torch.empty((rows.shape[0], rows.shape[1] + 1), dtype=torch.float64)
+    sums[:, 0] = 0
+    torch.cumsum(rows, dim=1, out=sums[:, 1:])
+    return sums
+
+
 def _means(counts: torch.Tensor, sums: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     """Each cluster's mean; ``empty`` (broadcast) where a cluster holds no value."""
     return torch.where(counts > 0, sums / counts.clamp(min=_TINY), empty)
@@ -112,15 +121,16 @@ class _SortedRows:
         # float16 weights, a quarter of float64's bytes): the searches' random reads dominate.
         self.values = _SearchedRows(ordered, exact_in)
         self.n = n
-        weighted = values if importance is None else values * importance
-        self.sums = torch.zeros((n_groups, n + 1), dtype=torch.float64)
-        self.sums[:, 1:] = torch.cumsum(weighted, dim=1)
-        self.squares = torch.zeros((n_groups, n + 1), dtype=torch.float64)
-        self.squares[:, 1:] = torch.cumsum(weighted * values, dim=1)
+        # values is this method's own float64 copy: squared in place once its sums are taken
         self.weights = None
-        if importance is not None:
-            self.weights = torch.zeros((n_groups, n + 1), dtype=torch.float64)
-            self.weights[:, 1:] = torch.cumsum(importance, dim=1)
+        if importance is None:
+            self.sums = _prefix_sums(values)
+            self.squares = _prefix_sums(values.mul_(values))
+        else:
+            weighted = values * importance
+            self.sums = _prefix_sums(weighted)
+            self.squares = _prefix_sums(weighted.mul_(values))
+            self.weights = _prefix_sums(importance)
         self.starts = torch.zeros((n_groups, 1), dtype=torch.long)
         self.ends = torch.full((n_groups, 1), n, dtype=torch.long)
 
