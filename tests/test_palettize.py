@@ -146,7 +146,7 @@ def test_each_group_is_clustered_as_if_alone(nbits, weighted):
         np.testing.assert_array_equal(alone[1][0], labels[row], err_msg=f"row {row}")
 
 
-@pytest.mark.parametrize("length", [1, 2, 3, 7, 8, 9, 1000])
+@pytest.mark.parametrize("length", [1, 2, 3, 7, 8, 9, 63, 64, 65, 127, 128, 1000, 4096])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_searched_rows_count_as_torch_searchsorted(length, dtype):
     """The k-means' branchless search (rows padded with +inf, float16 rows against float64

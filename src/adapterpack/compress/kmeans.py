@@ -32,6 +32,8 @@ GROWTH_STEPS = 8  # Lloyd steps after each doubling of the palette
 MOVE_ROUNDS = 8  # centroid moves (one per group per round), each followed by MOVE_STEPS of Lloyd
 MOVE_STEPS = 4
 SPLIT_STEPS = 4  # Lloyd steps of each cluster's own 2-means (where to split it)
+# Values per block of a search's first steps (``_SearchedRows``); a power of two.
+BLOCK = 64
 # Divisor floor: a cluster's count is an integer, or with importance a weight sum, possibly below 1.
 _TINY = 1e-300
 
@@ -58,13 +60,26 @@ class _SearchedRows:
         padded[:, :n] = ordered
         self.flat = padded.reshape(-1)
         self.n_groups = n_groups
+        # The steps of BLOCK or more only read the last value of each block of BLOCK, so they
+        # read a copy of those alone: small enough to stay in cache, where reads from the whole
+        # rows each miss it. The last few steps then read within one block.
+        self.coarse = padded[:, BLOCK - 1 :: BLOCK].reshape(-1)
+        self.coarse_width = self.width // BLOCK
 
     def count_below(self, queries: torch.Tensor, *, right: bool, at: torch.Tensor | None = None) -> torch.Tensor:
         """(G, q) counts of values < each query (<= with ``right``), in row ``i`` of the rows or
         row ``at[i]``. Queries must be finite."""
-        starts = ((torch.arange(self.n_groups) if at is None else at) * self.width)[:, None]
-        position = starts.expand(queries.shape).clone()
-        step = self.top
+        rows = (torch.arange(self.n_groups) if at is None else at)[:, None]
+        starts = rows * self.coarse_width
+        block = starts.expand(queries.shape).clone()  # in the coarse copy: blocks wholly below
+        step = self.top // BLOCK
+        while step:
+            value = torch.take(self.coarse, block + (step - 1))
+            block += ((value <= queries) if right else (value < queries)) * step
+            step >>= 1
+        starts = rows * self.width
+        position = (block - rows * self.coarse_width) * BLOCK + starts
+        step = min(self.top, BLOCK // 2)
         while step:
             value = torch.take(self.flat, position + (step - 1))
             position += ((value <= queries) if right else (value < queries)) * step
