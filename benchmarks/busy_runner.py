@@ -26,9 +26,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+
+from adapterpack.threads import available_cores  # noqa: E402
+
 ADAPTERPACK = REPO / ".venv" / "bin" / "adapterpack"
 
-# name -> environment added to the build's (None: removed); "adapterpack" runs it as shipped.
+# name -> environment added to the build's; "adapterpack" runs it as shipped.
 CONFIGURATIONS = {
     "adapterpack": {},
     "spinning pools (before)": {"ADAPTERPACK_THREADS": "library-defaults"},
@@ -47,13 +51,8 @@ def busy(stop) -> None:
         sum(range(10_000))
 
 
-def timed_build(environment: dict[str, str | None], folder: Path) -> float:
-    env = dict(os.environ)
-    for key, value in environment.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+def timed_build(environment: dict[str, str], folder: Path) -> float:
+    env = {**os.environ, **environment}
     output = folder / "demo.mlpackage"
     command = [str(ADAPTERPACK), "build", str(REPO / "manifests" / "demo.yaml"), "-o", str(output), "--force", "--no-cache", "-q"]
     started = time.perf_counter()
@@ -64,7 +63,7 @@ def timed_build(environment: dict[str, str | None], folder: Path) -> float:
     return seconds
 
 
-def beside_load(environment: dict[str, str | None], folder: Path, load: int) -> float:
+def beside_load(environment: dict[str, str], folder: Path, load: int) -> float:
     stop = multiprocessing.Event()
     workers = [multiprocessing.Process(target=busy, args=(stop,)) for _ in range(load)]
     for worker in workers:
@@ -86,7 +85,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()  # what the build's own thread pools are sized to
     fair = (cores + args.load) / cores
     figures: dict = {"cores": cores, "load": args.load, "fair_share_slowdown": round(fair, 2), "configurations": {}}
     with tempfile.TemporaryDirectory() as scratch:

@@ -70,15 +70,15 @@ class _SearchedRows:
         """(G, q) counts of values < each query (<= with ``right``), in row ``i`` of the rows or
         row ``at[i]``. Queries must be finite."""
         rows = (torch.arange(self.n_groups) if at is None else at)[:, None]
-        starts = rows * self.coarse_width
-        block = starts.expand(queries.shape).clone()  # in the coarse copy: blocks wholly below
+        coarse_starts = rows * self.coarse_width
+        block = coarse_starts.expand(queries.shape).clone()  # in the coarse copy: blocks wholly below
         step = self.top // BLOCK
         while step:
             value = torch.take(self.coarse, block + (step - 1))
             block += ((value <= queries) if right else (value < queries)) * step
             step >>= 1
         starts = rows * self.width
-        position = (block - rows * self.coarse_width) * BLOCK + starts
+        position = (block - coarse_starts) * BLOCK + starts
         step = min(self.top, BLOCK // 2)
         while step:
             value = torch.take(self.flat, position + (step - 1))
@@ -134,7 +134,7 @@ class _SortedRows:
         n_groups, n = values.shape
         # Searched in the narrowest dtype that holds them exactly (``exact_in``: float16 for
         # float16 weights, a quarter of float64's bytes): the searches' random reads dominate.
-        self.values = _SearchedRows(ordered, exact_in)
+        self.searched = _SearchedRows(ordered, exact_in)
         self.n = n
         # values is this method's own float64 copy: squared in place once its sums are taken
         self.weights = None
@@ -155,7 +155,7 @@ class _SortedRows:
         groups still moving without copying their values)."""
         midpoints = (centroids[:, 1:] + centroids[:, :-1]) / 2
         starts, ends = (self.starts, self.ends) if at is None else (self.starts[at], self.ends[at])
-        return torch.cat((starts, self.values.count_below(midpoints, right=False, at=at), ends), dim=1)
+        return torch.cat((starts, self.searched.count_below(midpoints, right=False, at=at), ends), dim=1)
 
     def clusters(self, bounds: torch.Tensor, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Count, sum and squared error of the values between consecutive ``bounds``."""
@@ -178,7 +178,7 @@ class _SortedRows:
         n_groups, k = means.shape
         split_at = means
         for _ in range(SPLIT_STEPS + 1):
-            cut = torch.minimum(torch.maximum(self.values.count_below(split_at, right=False, at=at), low), high)
+            cut = torch.minimum(torch.maximum(self.searched.count_below(split_at, right=False, at=at), low), high)
             counts, sums, errors = self.between(
                 torch.stack((low, cut), dim=2).reshape(n_groups, -1), torch.stack((cut, high), dim=2).reshape(n_groups, -1), at
             )
@@ -281,7 +281,7 @@ def kmeans_1d(
     # positions: O(n), instead of a binary search per value. A value equal to a midpoint goes to
     # the lower cluster, as searchsorted(midpoints, value) would place it.
     midpoints = ((centroids[:, 1:] + centroids[:, :-1]) / 2).to(torch.float32).contiguous()
-    cuts = rows.values.count_below(midpoints, right=True)
+    cuts = rows.searched.count_below(midpoints, right=True)
     steps = torch.zeros((n_groups, n + 1), dtype=torch.int16)
     steps.scatter_add_(1, cuts, torch.ones_like(cuts, dtype=torch.int16))
     labels_sorted = torch.cumsum(steps[:, :n], dim=1, dtype=torch.int16)
