@@ -524,6 +524,53 @@ def test_state_ops(tmp_path: Path) -> None:
     np.testing.assert_array_equal(out, 2 * x)
 
 
+def _cache_update_program(tmp_path: Path, reader: str) -> ProgramExecutor:
+    """A state updated by read_state -> slice_update -> coreml_update_state, with one more
+    reader of the cache as it was before the update: a slice taken before it (a view of the
+    array the update would write into: ``reader="view"``) or the state read again between
+    the update and the write (``reader="read"``). Either must see the old values."""
+    specs = {"cache": mb.StateTensorSpec((4, 3), dtype=types.fp16), "x": mb.TensorSpec((1, 3), dtype=types.fp16)}
+    with Function(specs, opset_version=IOS18) as func:
+        cache = mb.read_state(input=func.inputs["cache"])
+        before = mb.slice_by_index(x=cache, begin=[0, 0], end=[2, 3]) if reader == "view" else None
+        updated = mb.slice_update(x=cache, update=func.inputs["x"], begin=[0, 0], end=[1, 3])
+        if reader == "read":
+            before = mb.slice_by_index(x=mb.read_state(input=func.inputs["cache"]), begin=[0, 0], end=[2, 3])
+        mb.coreml_update_state(state=func.inputs["cache"], value=updated)
+        func.set_outputs([mb.add(x=before, y=np.float16(0))])
+    prog = Program()
+    prog.add_function("main", func)
+    return convert_and_load(prog, tmp_path / f"{reader}.mlpackage")
+
+
+@pytest.mark.parametrize("reader", ["view", "read"])
+def test_cache_updates_never_change_what_another_reader_sees(reader: str, tmp_path: Path) -> None:
+    ex = _cache_update_program(tmp_path, reader)
+    state = {"cache": np.arange(12, dtype=np.float16).reshape(4, 3)}
+    (out,) = ex.predict({"x": np.full((1, 3), 100, np.float16)}, state).values()
+    np.testing.assert_array_equal(out, np.arange(6, dtype=np.float16).reshape(2, 3))  # the cache before the update
+    np.testing.assert_array_equal(state["cache"][0], [100, 100, 100])
+    np.testing.assert_array_equal(state["cache"][1:], np.arange(3, 12, dtype=np.float16).reshape(3, 3))
+
+
+def test_kv_cache_updates_in_place_compute_what_copies_compute(llama, monkeypatch) -> None:
+    """A decoder's cache updates write into the cache (no copy of it per layer) and give the
+    logits and states that copying updates give."""
+    from adapterpack.verify.executor import interpreter
+
+    path, ids, _ = llama
+    ex = ProgramExecutor.load(path)
+    monkeypatch.setattr(interpreter, "STATE_UPDATES_IN_PLACE", False)
+    copied = run_decoder(ex, ids)
+    in_place = []
+    updated = interpreter._InPlaceUpdates.updated
+    monkeypatch.setattr(interpreter._InPlaceUpdates, "updated", lambda self, step, env: in_place.append(step) or updated(self, step, env))
+    monkeypatch.setattr(interpreter, "STATE_UPDATES_IN_PLACE", True)
+    np.testing.assert_array_equal(run_decoder(ex, ids), copied)
+    updates = sum(step.op_type == "slice_update" for step in ex._compile("main").steps)
+    assert updates >= 4 and len(in_place) == updates * (ids.shape[1] - PREFILL + 1)  # every update of every call
+
+
 # --------------------------------------------------------------------------- compressed weights
 
 WC = rng.standard_normal((64, 64)).astype(np.float32)
@@ -606,6 +653,24 @@ def test_compressed_weights(name: str, dense_weight_model, tmp_path: Path) -> No
             assert len(np.unique(w[g:g + 16])) <= 16
     if name == "prune-0.4":
         assert abs((w == 0).mean() - 0.4) < 0.02
+
+
+@pytest.mark.parametrize("shape, blocks", [((24, 10), 24), ((24, 10), 6), ((24, 10), 1), ((12, 5, 1, 1), 3)])
+@pytest.mark.parametrize("chunk", [7, 1 << 22])
+def test_row_palettes_are_looked_up_as_indexing_does(shape, blocks, chunk, monkeypatch) -> None:
+    """Palettes splitting the first axis only (per channel, per group of channels, per tensor)
+    are looked up by a gather along rows, a chunk at a time (chunks that split a group of rows
+    included): each weight is its palette's entry, as numpy's indexing picks it."""
+    from adapterpack.verify.executor import constexpr
+
+    monkeypatch.setattr(constexpr, "GATHER_CHUNK_VALUES", chunk)
+    indices = rng.integers(0, 16, shape).astype(np.uint8)
+    lut = rng.standard_normal((blocks,) + (1,) * (len(shape) - 1) + (16, 1)).astype(np.float16)
+    rows = lut.reshape(blocks, 16)[np.arange(shape[0]) // (shape[0] // blocks)]
+    expected = np.take_along_axis(rows, indices.reshape(shape[0], -1).astype(np.int64), axis=1).reshape(shape)
+    got = constexpr._lut_to_dense_ios18(indices, lut, None)
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, expected)
 
 
 def _pack_lsb_first(values: np.ndarray, nbits: int) -> np.ndarray:

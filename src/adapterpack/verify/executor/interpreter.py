@@ -47,6 +47,74 @@ SUPPORTED_OPS: frozenset[str] = frozenset(_OPS) | {"const"} | _STATE_OPS
 
 # --------------------------------------------------------------------------- interpreter
 
+# Let the KV-cache updates of a call write into the cache instead of copying it (see
+# ``_InPlaceUpdates``); False copies on every update (tests compare the two).
+STATE_UPDATES_IN_PLACE = True
+
+class _InPlaceUpdates:
+    """Which ``slice_update`` steps of one call may write into their input instead of a copy.
+
+    A stateful decoder writes its KV-cache as one state: each layer reads the cache written by
+    the layer before, updates its rows (``slice_update``) and writes it back. Core ML does that
+    in place; a copy per layer of a 3B model's whole cache is most of a decode step here. The
+    result is the same array either way when nothing reads the input after the update: the
+    step is the input slot's last reader (``_Compiled.last_read``), the array was made during
+    this call (a state's copy, or an earlier update's result: never a constant or an input),
+    no value still to be read (``pending``) may share its memory (a slice of the cache the
+    attention reads is a view), and a state holding it is written next, not read.
+    """
+
+    def __init__(self, compiled: _Compiled, live: dict[str, np.ndarray]):
+        self.compiled, self.live = compiled, live
+        self.enabled = STATE_UPDATES_IN_PLACE and bool(compiled.in_place)
+        self.owned = {id(value): value for value in live.values()} if self.enabled else {}
+        self.pending: dict[int, Any] = {}
+
+    def ran_before(self, index: int, env: list[Any]) -> None:
+        """Bookkeeping for the step before ``index``: its outputs wait for their readers, the
+        values it was the last to read are let go."""
+        if not self.enabled or index == 0:
+            return
+        step = self.compiled.steps[index - 1]
+        last_read = self.compiled.last_read
+        for slot in _Compiler._refs(step):
+            if last_read.get(slot, -1) <= index - 1:
+                self.pending.pop(slot, None)
+        for slot in step.outs:
+            if last_read.get(slot, -1) > index - 1:
+                self.pending[slot] = env[slot]
+
+    def may_update(self, index: int, step: _Step, env: list[Any]) -> bool:
+        if not self.enabled or index not in self.compiled.in_place:
+            return False
+        x_slot = dict(step.args)["x"]
+        x = env[x_slot]
+        if id(x) not in self.owned or self.owned[id(x)] is not x:
+            return False
+        if (step.dtypes[0] is not None and step.dtypes[0] != x.dtype) or (
+            step.declared and step.declared[0] is not None and step.declared[0].mismatch(x) is not None
+        ):
+            return False  # the copying path casts or reports it
+        written_next = self.compiled.in_place[index]
+        if any(value is x and key not in written_next for key, value in self.live.items()):
+            return False
+        return not any(
+            slot != x_slot and isinstance(value, np.ndarray) and np.may_share_memory(value, x)
+            for slot, value in self.pending.items()
+        )
+
+    def updated(self, step: _Step, env: list[Any]) -> np.ndarray:
+        args: Args = {param: env[ref] for param, ref in step.args}
+        return shape_ops.update_slice_in_place(args)
+
+    def made(self, step: _Step, env: list[Any]) -> None:
+        """A copying update's result is this call's own: a later update may write into it."""
+        if self.enabled and step.op_type == "slice_update":
+            value = env[step.outs[0]]
+            self.owned[id(value)] = value
+
+
+
 _READ, _WRITE, _CALL = 0, 1, 2
 
 
@@ -201,6 +269,12 @@ class _Compiled:
     outputs: list[tuple[str, int]] = field(default_factory=list)
     attentions: int = 0  # attention ops in the function (to say where an op sits)
     named: dict[str, int] = field(default_factory=dict)  # known values (constants, folded) by name
+    # The last step that reads each slot a step writes (len(steps) for the function's outputs):
+    # after it, nothing reads the value.
+    last_read: dict[int, int] = field(default_factory=dict)
+    # Steps that may update their input in place (``_in_place_updates``), with the states whose
+    # next state op after the step is a write.
+    in_place: dict[int, frozenset[str]] = field(default_factory=dict)
 
 
 def _declared_dtype(var: Any) -> Any:
@@ -410,7 +484,9 @@ class ProgramExecutor:
 
         live: dict[str, np.ndarray] = {}
         for key, (shape, dtype) in compiled.states.items():
-            live[key] = np.asarray(state[key]).astype(dtype, copy=False)
+            # A copy of its own when updates may run in place: the caller's arrays change only
+            # when the call completes.
+            live[key] = np.array(state[key], dtype=dtype) if compiled.in_place else np.asarray(state[key]).astype(dtype, copy=False)
             if live[key].shape != shape:
                 raise ValueError(f"state {key!r} of function {name!r} has shape {live[key].shape}, expected {shape}")
         written: set[str] = set()
@@ -430,7 +506,9 @@ class ProgramExecutor:
     def _run_steps(self, name: str, compiled: _Compiled, env: list[Any], live: dict, written: set[str], tainted: set[int]) -> None:
         """Run every run-time op of ``name``, noting where inf or NaN first arises."""
         state_finite: dict[str, bool] = {}  # each state scanned once per call, when first read
-        for step in compiled.steps:
+        updates = _InPlaceUpdates(compiled, live)
+        for index, step in enumerate(compiled.steps):
+            updates.ran_before(index, env)
             if step.kind == _READ:
                 env[step.outs[0]] = live[step.state]
                 if step.state not in state_finite:
@@ -454,7 +532,12 @@ class ProgramExecutor:
                 if not state_finite[step.state]:
                     tainted.add(step.outs[0])
                 continue
-            largest_output = self._run_step(step, env, name)
+            if updates.may_update(index, step, env):
+                env[step.outs[0]] = updates.updated(step, env)
+                largest_output = 0.0
+            else:
+                largest_output = self._run_step(step, env, name)
+                updates.made(step, env)
             refs = [r for _, ref in step.args for r in (ref if isinstance(ref, tuple) else (ref,))]
             if step.op_type in _MOVES_VALUES:
                 if tainted.intersection(refs):
@@ -674,4 +757,32 @@ class _Compiler:
         needed |= {slot for _, slot in outputs}
         env = [v if (i in needed or i not in self.static) else None for i, v in enumerate(self.env)]
         named = {name: slot for name, slot in self.names.items() if slot in self.static and env[slot] is not None}
-        return _Compiled(self.steps, env, self.inputs, self.states, self.state_slots, outputs, self.attentions, named)
+        last_read = self._last_read(outputs)
+        return _Compiled(
+            self.steps, env, self.inputs, self.states, self.state_slots, outputs, self.attentions, named,
+            last_read, self._in_place_updates(last_read),
+        )
+
+    def _last_read(self, outputs: list[tuple[str, int]]) -> dict[int, int]:
+        last_read: dict[int, int] = {}
+        for index, step in enumerate(self.steps):
+            for slot in self._refs(step):
+                last_read[slot] = index
+        last_read.update({slot: len(self.steps) for _, slot in outputs})
+        return last_read
+
+    def _in_place_updates(self, last_read: dict[int, int]) -> dict[int, frozenset[str]]:
+        """{index of a ``slice_update`` step that is its input's last reader: the states whose
+        next state op after it is a write (a state holding the input may change early only then)}."""
+        found: dict[int, frozenset[str]] = {}
+        for index, step in enumerate(self.steps):
+            if step.op_type != "slice_update" or last_read.get(dict(step.args)["x"]) != index:
+                continue
+            next_op: dict[str, int] = {}
+            for later in self.steps[index + 1 :]:
+                if later.kind in (_READ, _WRITE) and later.state not in next_op:
+                    next_op[later.state] = later.kind
+                if len(next_op) == len(self.states):
+                    break
+            found[index] = frozenset(state for state, kind in next_op.items() if kind == _WRITE)
+        return found

@@ -154,7 +154,12 @@ def _slice_by_index(a: Args) -> np.ndarray:
 
 @_register("slice_update", "x update begin end stride begin_mask end_mask squeeze_mask")
 def _slice_update(a: Args) -> np.ndarray:
-    x = np.array(a["x"], copy=True)
+    return update_slice_in_place({**a, "x": np.array(a["x"], copy=True)})
+
+
+def update_slice_in_place(a: Args) -> np.ndarray:
+    """``slice_update`` written into ``a["x"]`` itself (the interpreter decides when it may)."""
+    x = a["x"]
     index = _index(x.shape, a)
     x[index] = np.reshape(a["update"], x[index].shape)
     return x
