@@ -11,7 +11,7 @@ adapter applied by peft and not merged), side by side in one run:
 - ``float16 accumulation, every linear but down_proj``: the projection with the largest input spared;
 - ``float16 accumulation, <projection> only``: one kind of projection at a time.
 
-The README quotes the rows for SmolLM2-135M-Instruct's ``shout``:
+docs/core-ai.md quotes the rows for SmolLM2-135M-Instruct's ``shout``:
 
     .venv/bin/python scripts/smollm2.py                    # the checkpoint, once
     .venv/bin/python benchmarks/coreai_accumulation.py [--manifest manifests/smollm2.yaml] [--function shout]
@@ -68,8 +68,8 @@ def run(manifest: Path, function: str) -> dict:
     from adapterpack.convert.base_model import load_base, stored_weight_reader
     from adapterpack.convert.lora import applied_adapter
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify.metrics import compare_logits
-    from adapterpack.verify.reference import reference_logits
+    from adapterpack.verification.metrics import compare_logits
+    from adapterpack.verification.reference import reference_logits
 
     checked = check_inputs(manifest)
     adapter = checked.manifest.adapter(function)

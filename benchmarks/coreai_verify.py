@@ -9,7 +9,7 @@ time for the one function (its PyTorch reference included), with the manifest's 
 
     .venv/bin/python benchmarks/coreai_verify.py                    # about 11 minutes here
 
-Where the runtime's time goes (``perf record`` on a verify, README "Core AI"): off Apple devices
+Where the runtime's time goes (``perf record`` on a verify, docs/core-ai.md): off Apple devices
 Core AI computes float16 arithmetic in software, a call to a half-precision conversion routine
 per element, so one decode call of this 135M model takes about 8 s and a 16-token prefill about
 90 s, against a fraction of a second on the executor.
@@ -45,8 +45,8 @@ def timed_verify(path: Path, *, concurrent: bool) -> tuple[float, dict]:
     """Seconds ``verify_package`` takes (``concurrent``: whether the drives may run at once) and
     the function's figures."""
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify import runners
-    from adapterpack.verify.package import verify_package
+    from adapterpack.verification import runners
+    from adapterpack.verification.package import verify_package
 
     checked = check_inputs(path)
     original = runners.run_drives

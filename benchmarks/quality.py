@@ -225,7 +225,7 @@ def figures(got, reference, base, targets) -> dict[str, float]:
     }
     found["ratio"] = found["perplexity"] / found["reference_perplexity"]
     if base is not None:
-        from adapterpack.verify.metrics import retention
+        from adapterpack.verification.metrics import retention
 
         found["retention"] = retention(got.numpy(), reference.numpy(), base.numpy())[0]
     return found

@@ -1,7 +1,7 @@
 """Where a real checkpoint's values could overflow float16: the largest magnitude of each kind of
 value its float32 reference computes, per function.
 
-The README's table (SmolLM2-135M-Instruct, ``manifests/smollm2.yaml``) comes from this script.
+The table in docs/models.md (SmolLM2-135M-Instruct, ``manifests/smollm2.yaml``) comes from this script.
 Each function's PyTorch reference (the base computing in float32, the adapter applied by peft and
 not merged, as verification computes it) runs on two prompts, and the larger figure is shown: a
 chat-template prompt (the tokenizer's own template around one user message) and verify's seeded
@@ -94,7 +94,7 @@ def measured(model, found: dict[str, float]):
 
 def prompts(checked, vocab_size: int):
     from adapterpack.inputs.text import load_tokenizer
-    from adapterpack.verify.drives import verification_tokens
+    from adapterpack.verification.drives import verification_tokens
 
     tokenizer = load_tokenizer(checked.base.folder)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": MESSAGE}], add_generation_prompt=True, tokenize=True)
@@ -107,7 +107,7 @@ def run(manifest: Path) -> dict:
     import torch
 
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify.reference import computed_in_float32, reference_model
+    from adapterpack.verification.reference import computed_in_float32, reference_model
 
     checked = check_inputs(manifest)
     functions = list(checked.manifest.function_names)

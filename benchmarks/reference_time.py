@@ -2,7 +2,7 @@
 at a time, against all of them side by side in one batch.
 
 Before any function runs, verify computes the logits of the float32 base and of the base with
-each adapter applied by peft (unmerged) on its seeded tokens (``verify.reference``). The base
+each adapter applied by peft (unmerged) on its seeded tokens (``verification.reference``). The base
 stays at its stored precision and each module's weights are widened to float32 while it runs,
 so every forward reads and widens every weight of the model. One at a time (how verify did it),
 that is one pass over the weights per function; side by side (what verify does now), the base
@@ -10,7 +10,7 @@ and the adapters peft can mix are batch rows of one forward, one pass for all of
 inputs as ``build_time.py`` (4 LoRA adapters, r 16 on q/k/v/o, random float16 weights of the
 published shapes, made once under ``--work``); each way runs in a fresh process, alternately,
 ``--repeat`` times; the report gives seconds, peak RSS, the ratio, and the largest difference
-between the two ways' logits. The range check a build runs before converting (``verify.ranges``:
+between the two ways' logits. The range check a build runs before converting (``verification.ranges``:
 every module's largest value on a 16-token prompt, per function) takes the same passes and is
 timed the same way, its findings compared.
 
@@ -38,8 +38,8 @@ import json, pickle, sys, time
 from pathlib import Path
 import numpy as np
 from adapterpack.inputs.checked import check_inputs
-import adapterpack.verify.reference as reference
-from adapterpack.verify.ranges import out_of_float16_range
+import adapterpack.verification.reference as reference
+from adapterpack.verification.ranges import out_of_float16_range
 manifest, way, stage, saved = sys.argv[1:5]
 if way == "one_at_a_time":  # every adapter on its own forward, as before
     reference._mixes = lambda info: False

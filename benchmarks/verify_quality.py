@@ -64,7 +64,7 @@ def main() -> None:
     from adapterpack.assemble.pipeline import build
     from adapterpack.assemble.records import BuildOptions
     from adapterpack.config.manifest import load_manifest
-    from adapterpack.verify.package import verify_package
+    from adapterpack.verification.package import verify_package
 
     base = ensure_base()
     rows = []

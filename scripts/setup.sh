@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv/ at the repo root and install adapterpack with its test dependencies and the
-# Core AI extra (the .aimodel format; its tests run in the default suite).
+# Create .venv/ at the repo root and install adapterpack with its test dependencies, the Core AI
+# extra (the .aimodel format; its tests run in the default suite) and the docs site's (the suite
+# builds it).
 # torch is installed first from its CPU wheel: a plain `torch` requirement with nothing installed
 # would pull a multi-GB CUDA build. Everything else is installed within constraints.txt, the
 # versions the suite and the recorded package digests were made with. Safe to re-run; it only
@@ -16,5 +17,5 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==${ADAPTERPACK_TORCH:-2.13.0}"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --constraint constraints.txt -e ".[test,coreai]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --constraint constraints.txt -e ".[test,coreai,docs]"
 echo "adapterpack installed: .venv/bin/adapterpack" >&2

@@ -34,13 +34,13 @@ def family_build(request, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
-    """The shipped demo (manifests/demo.yaml), built and verified once for the session."""
-    from adapterpack.assemble.pipeline import build
-    from adapterpack.assemble.records import BuildOptions
+    """The shipped demo (manifests/demo.yaml), built and verified once for the session, by the
+    public Python API."""
+    import adapterpack as ap
 
     out = tmp_path_factory.mktemp("demo")
     manifest = Path(__file__).resolve().parents[1] / "manifests" / "demo.yaml"
-    return build(manifest, output=out / "demo.mlpackage", options=BuildOptions(cache_dir=out / "cache"))
+    return ap.build(manifest, output=out / "demo.mlpackage", options=ap.BuildOptions(cache_dir=out / "cache"))
 
 
 def pytest_configure(config):

@@ -10,10 +10,10 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
-from adapterpack.verify.coreai_engine import PipelinedEngine, SequentialEngine, check_signature
-from adapterpack.verify.drives import APPLE_DRIVES, run_drive, verification_tokens
-from adapterpack.verify.reference import random_references
-from adapterpack.verify.runners import function_sessions
+from adapterpack.verification.coreai_engine import PipelinedEngine, SequentialEngine, check_signature
+from adapterpack.verification.drives import APPLE_DRIVES, run_drive, verification_tokens
+from adapterpack.verification.reference import random_references
+from adapterpack.verification.runners import function_sessions
 from factories import FAMILIES, make_family_project, make_project, run_cli
 from test_coreai import assert_exact
 
@@ -232,7 +232,7 @@ def test_every_family_runs_under_apple_s_contract(tmp_path, family):
 @pytest.fixture(scope="session")
 def apple_release(tmp_path_factory):
     """The llama family project released for Apple's runtime (float32 compute)."""
-    from adapterpack.release.artifacts import release
+    from adapterpack.distribution.artifacts import release
     from test_generate import write_byte_level_tokenizer
 
     root = tmp_path_factory.mktemp("apple-release")
@@ -250,8 +250,8 @@ def test_a_release_has_a_bundle_per_function_that_runs_as_peft_computes(apple_re
     function; the emulated engine runs that function there as the unmerged peft reference does."""
     import json
 
+    from adapterpack.distribution.apple import BundleMetadata, load_bundle
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.release.apple import BundleMetadata, load_bundle
 
     manifest, released = apple_release
     checked = check_inputs(manifest)
@@ -279,7 +279,7 @@ def test_a_release_has_a_bundle_per_function_that_runs_as_peft_computes(apple_re
 def test_the_bundle_schema_refuses_what_the_swift_decoders_refuse(tmp_path):
     import json
 
-    from adapterpack.release.apple import bundle_metadata_schema, load_bundle
+    from adapterpack.distribution.apple import bundle_metadata_schema, load_bundle
 
     schema = bundle_metadata_schema()
     assert set(schema["required"]) == {"metadata_version", "kind", "name", "assets", "language"}

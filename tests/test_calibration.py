@@ -190,7 +190,7 @@ def test_int4_linear_with_calibration_text_is_error_compensated(tmp_path, monkey
     program compressed), and on held-out text, executing each package's ML Program, the skill
     keeps more of what its adapter does and agrees more often with its float reference than the
     same build without calibration text. (Its perplexity ratio is within 1% of 1 either way on
-    this small model: on a real checkpoint, README "What compression does to a real checkpoint".)"""
+    this small model: on a real checkpoint, docs/compression.md.)"""
     import adapterpack.compress.model
     from adapterpack.assemble.pipeline import build
     from adapterpack.assemble.records import BuildOptions

@@ -15,9 +15,9 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
-from adapterpack.verify.drives import DRIVES, run_drives
-from adapterpack.verify.reference import random_references
-from adapterpack.verify.runners import function_sessions
+from adapterpack.verification.drives import DRIVES, run_drives
+from adapterpack.verification.reference import random_references
+from adapterpack.verification.runners import function_sessions
 from factories import FAMILIES, make_family_project, make_project, run_cli, tree_digest
 
 DEMO = Path(__file__).resolve().parents[1] / "manifests" / "demo.yaml"
@@ -210,7 +210,7 @@ export: {max_context: 32, format: aimodel}
 compression: {method: palettize}
 """
     root = make_project(tmp_path, manifest, {"a": dict(std=0.1)})
-    from adapterpack.release.artifacts import release
+    from adapterpack.distribution.artifacts import release
 
     first = release(root / "m.yaml", tmp_path / "one", options=BuildOptions(use_cache=False), bundle=False)
     second = release(root / "m.yaml", tmp_path / "two", options=BuildOptions(use_cache=False), bundle=False)
@@ -257,8 +257,8 @@ def test_an_mlpackage_never_imports_core_ai():
     import subprocess
 
     code = (
-        "import sys; import adapterpack.cli.app, adapterpack.assemble.pipeline, adapterpack.verify.package, "
-        "adapterpack.release.artifacts; print(sorted(m for m in sys.modules if m.startswith('coreai')))"
+        "import sys; import adapterpack.cli.app, adapterpack.assemble.pipeline, adapterpack.verification.package, "
+        "adapterpack.distribution.artifacts; print(sorted(m for m in sys.modules if m.startswith('coreai')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
@@ -292,7 +292,7 @@ def test_demo_builds_as_an_asset(tmp_path):
     """The shipped demo as .aimodel, computing in float32: every entry point passes verify on Core
     AI's runtime, and the build is byte-identical when repeated. zen's perplexity ratio on its
     text is 1.080 there against 1.035 in the .mlpackage of the same settings, over the 1.05 its
-    auto target sets (README, Core AI): the test allows 1.1 so that gap is the only one it lets by."""
+    auto target sets (docs/core-ai.md): the test allows 1.1 so that gap is the only one it lets by."""
     (tmp_path / "adapters").symlink_to(DEMO.parents[1] / "adapters")
     (tmp_path / "manifests").mkdir()
     text = re.sub(r"(?m)^output:.*\n", "", DEMO.read_text()).replace("  deployment_target: iOS18\n", "  deployment_target: iOS18\n  format: aimodel\n  compute_precision: float32\n")
@@ -308,7 +308,7 @@ def test_demo_builds_as_an_asset(tmp_path):
 
 
 def test_the_cpu_runtime_accumulates_float16_products_in_float16(tmp_path):
-    """Why a float16 .aimodel of a real checkpoint misses the float32 reference (README, Core AI):
+    """Why a float16 .aimodel of a real checkpoint misses the float32 reference (docs/core-ai.md):
     one float16 linear layer on Core AI's CPU runtime gives, bit for bit, a float16 running sum
     over the input channels, while torch's float16 (float32 accumulation) is ~80x closer. The
     asset's graph is not at fault; compute_precision: float32 is the remedy."""

@@ -11,7 +11,7 @@ import pytest
 
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
-from adapterpack.verify.executor import ProgramExecutor
+from adapterpack.verification.executor import ProgramExecutor
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "manifests" / "demo.yaml"
@@ -49,6 +49,35 @@ def greedy(executor: ProgramExecutor, function: str, prompt: str, steps: int = 2
     return bytes(t for t in out if t < 256).decode("utf-8", "replace")
 
 
+def test_the_python_api_builds_and_verifies_the_demo_from_its_manifest(demo, tmp_path):
+    """What the README and docs/api.md show, run as a user would: ``ap.build("manifests/demo.yaml")`` in a
+    checkout writes the manifest's output (its build cache beside it: primed with the session's
+    build, so every function is reused), and ``ap.verify`` passes it; bad input raises BadInput."""
+    import os
+    import subprocess
+    import sys
+
+    import adapterpack as ap
+
+    (tmp_path / "manifests").mkdir()
+    shutil.copy(DEMO, tmp_path / "manifests" / "demo.yaml")
+    (tmp_path / "adapters").symlink_to(REPO / "adapters")
+    shutil.copytree(demo.output.parent / "cache", tmp_path / "build" / ".adapterpack-cache")
+    script = "import adapterpack as ap; r = ap.build('manifests/demo.yaml'); print(r.output.name, len(r.reused), r.verify_report.passed)"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split() == ["demo.mlpackage", "4", "True"], ran.stdout
+    built = tmp_path / "build" / "demo.mlpackage"
+    report = ap.verify(built, tmp_path / "manifests" / "demo.yaml")
+    assert isinstance(report, ap.VerifyReport) and report.passed, report.verdict()
+    assert [f.name for f in report.functions] == ["code", "docs", "zen", "base"]
+    with pytest.raises(ap.BadInput, match="package not found"):
+        ap.verify(tmp_path / "missing.mlpackage", DEMO)
+    with pytest.raises(ap.OutputExists):  # a second build without force keeps the first
+        ap.build(tmp_path / "manifests" / "demo.yaml")
+
+
 def test_demo_functions_write_differently(demo):
     executor = ProgramExecutor.load(demo.output)
     # The Zen's pattern (6-bit weights may pick another line of it than float16 does).
@@ -63,7 +92,7 @@ def test_a_prompt_prefilled_in_chunks_gives_the_logits_of_one_call(demo):
     """An app that sends a long prompt in chunks through one state (to hold fewer logits at a
     time: ``(1, q, vocab)`` per call) gets the logits one whole call would, as the Swift client
     sends them (zeros one wider than the tokens so far)."""
-    from adapterpack.verify.drives import swift_mask
+    from adapterpack.verification.drives import swift_mask
 
     executor = ProgramExecutor.load(demo.output)
     ids = [256, *b"def parse(self, text):"]

@@ -32,7 +32,7 @@ def test_reference_perplexity_is_the_models_own_loss(family_build, tmp_path):
     the float16 package's is within float16 noise of it."""
     import torch
 
-    from adapterpack.verify.reference import reference_model
+    from adapterpack.verification.reference import reference_model
 
     family, root, result = family_build
     _write_tokenizer(root / "base")
@@ -57,7 +57,7 @@ def test_retention_on_the_text_is_verify_retention_over_the_scored_positions():
     """Window by window, eval keeps sums instead of logits; the figure must be verify's
     retention of all scored rows at once, and follow what the package computes."""
     from adapterpack.evaluate.perplexity import _Scores
-    from adapterpack.verify.metrics import retention
+    from adapterpack.verification.metrics import retention
 
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 50, 40)

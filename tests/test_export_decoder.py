@@ -140,7 +140,7 @@ def test_a_conversion_does_not_depend_on_earlier_ones_in_the_process(tmp_path):
     from adapterpack.convert.coreml import convert_decoder
     from adapterpack.formats.mlpackage.spec import spec_path
     from adapterpack.quiet import captured_output
-    from adapterpack.verify.executor import ProgramExecutor
+    from adapterpack.verification.executor import ProgramExecutor
 
     make_base(tmp_path / "base", "llama")
     model = load_base(tmp_path / "base", dtype="float16")

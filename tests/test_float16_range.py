@@ -108,8 +108,8 @@ def test_the_range_check_side_by_side_names_the_function_that_overflows(tmp_path
     adapter whose LoRA branch passes float16's range, not the base or the adapter beside it, and
     find exactly what running each function alone finds."""
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify import reference
-    from adapterpack.verify.ranges import out_of_float16_range
+    from adapterpack.verification import reference
+    from adapterpack.verification.ranges import out_of_float16_range
     from factories import make_base
 
     make_base(tmp_path / "base", "llama")

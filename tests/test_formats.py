@@ -13,7 +13,7 @@ from adapterpack.config.manifest import PACKAGE_FORMATS
 from adapterpack.errors import BadInput
 from adapterpack.formats.registry import FORMATS, NAMES, named, of_output, of_package
 from adapterpack.report.asset import INSPECTORS
-from adapterpack.verify.runners import SESSIONS
+from adapterpack.verification.runners import SESSIONS
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "adapterpack"
 

@@ -62,7 +62,7 @@ def test_the_range_check_passes_the_float32_residual_and_names_a_float16_overflo
     in float32, so the range check lets it be. An MLP output past 65504 is computed in float16:
     it is named."""
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify.ranges import out_of_float16_range
+    from adapterpack.verification.ranges import out_of_float16_range
 
     make_massive_base(tmp_path / "base", "gemma3_text")
     make_adapter(tmp_path / "loud", tmp_path / "base", std=300.0, seed=3, targets=("down_proj",))
@@ -71,7 +71,7 @@ def test_the_range_check_passes_the_float32_residual_and_names_a_float16_overflo
     )
     checked = check_inputs(tmp_path / "m.yaml")
     with pytest.MonkeyPatch.context() as patch:  # what the residual reaches: past float16's range
-        from adapterpack.verify import ranges
+        from adapterpack.verification import ranges
 
         patch.setattr(ranges, "held_in_float32", lambda tensor, sandwich: False)
         residual = [f for f in out_of_float16_range(checked, ["base"]) if f.tensor == "model.layers.0 (output)"]
@@ -183,7 +183,7 @@ def _continues_as_its_reference(manifest: Path, package: Path, function: str = "
 def test_real_gemma3_aimodel_is_exact_and_continues_as_its_reference(gemma3_base, tmp_path):
     """The .aimodel of the same float16 weights, run by Core AI's own runtime here, computing in
     float32: at Core AI's float16 compute the exact verdict fails on this checkpoint (cosine
-    0.99967, top-1 95% on random ids; README, Gemma 3)."""
+    0.99967, top-1 95% on random ids; docs/models.md, Gemma 3)."""
     manifest, result = _real_gemma_build(
         tmp_path, gemma3_base,
         "export: {format: aimodel, max_context: 48, compute_precision: float32}\ncompression: {method: none}\n", "g.aimodel",
@@ -200,7 +200,7 @@ def test_real_gemma3_aimodel_is_exact_and_continues_as_its_reference(gemma3_base
 def test_real_gemma3_at_4_bits_with_calibration_text_keeps_its_skill(gemma3_base, tmp_path):
     """4-bit palettes weighted by the calibration texts' activations (as manifests/
     gemma3-q4-calibrated.yaml): verify's quality verdict passes where the data-free 4-bit
-    default's is refused (retention 0.65 < 0.75; README, Gemma 3), and the skill still answers
+    default's is refused (retention 0.65 < 0.75; docs/models.md, Gemma 3), and the skill still answers
     in lines."""
     from adapterpack.assemble.pipeline import build
     from adapterpack.assemble.records import BuildOptions

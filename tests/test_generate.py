@@ -161,7 +161,7 @@ def test_text_stream_waits_for_whole_characters():
 def test_demo_bundle_runs_without_the_manifest(demo, tmp_path):
     """The demo's app-ready bundle: its byte-level tokenizer files travel with the package, and
     generate finds them beside it (no manifest, no hub)."""
-    from adapterpack.release.bundle import write_bundle
+    from adapterpack.distribution.bundle import write_bundle
 
     checked = check_inputs(DEMO)
     files = write_bundle(tmp_path / "demo", checked, demo, demo.output)

@@ -338,7 +338,7 @@ MUTABLE = [
     f"{PACKAGE}/Manifest.json", f"{PACKAGE}/Data/com.apple.CoreML/model.mlmodel", f"{PACKAGE}/Data/com.apple.CoreML/weights/weight.bin",
 ]
 JSON_VALUES = [None, "text", -1, 0, 1e308, [], {}, True, [1, "a"], 2**70]
-# The documented exit codes (README, Exit codes) a bad input or a resource may end in.
+# The documented exit codes (README and docs/cli.md, Exit codes) a bad input or a resource may end in.
 DOCUMENTED = {0, 2, 3, 4}
 
 

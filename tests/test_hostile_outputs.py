@@ -429,8 +429,8 @@ def test_generated_output_places_never_change_an_input(pristine, tmp_path_factor
 def test_generated_links_in_the_base_never_carry_an_outside_file(pristine, tmp_path_factory, target, name):
     """A link in the base folder to anywhere: the release bundle holds only bytes of files inside
     the base, or the release is refused naming the link."""
+    from adapterpack.distribution.bundle import check_tokenizer_files
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.release.bundle import check_tokenizer_files
 
     root = tmp_path_factory.mktemp("link") / "p"
     shutil.copytree(pristine, root, symlinks=True)

@@ -204,8 +204,8 @@ def mlx_logits(adapter: Path, ids: list[int]) -> np.ndarray:
 
 
 def package_logits(package: Path, function: str, ids: list[int]) -> np.ndarray:
-    from adapterpack.verify.drives import swift_mask
-    from adapterpack.verify.runners import function_sessions
+    from adapterpack.verification.drives import swift_mask
+    from adapterpack.verification.runners import function_sessions
 
     predict = function_sessions(package)(function)()
     return np.asarray(predict(np.array([ids], np.int32), swift_mask(0, len(ids))), np.float32)[0]

@@ -75,7 +75,7 @@ def test_side_by_side_references_of_a_real_checkpoint_equal_each_function_alone(
     module (a lowered bound makes the massive activations findings, so there are some to compare)."""
     import numpy as np
 
-    from adapterpack.verify import ranges, reference
+    from adapterpack.verification import ranges, reference
 
     checked = check_inputs(_manifest(tmp_path, smollm2_base))
     names = checked.manifest.function_names
@@ -128,7 +128,7 @@ def test_a_data_free_4_bit_package_is_exact_and_its_quality_is_judged_on_real_te
     real text through the chat template, both conventions), whatever 4 bits cost; quality
     measured on real text, and the verdict is what the documented thresholds make of it."""
     from adapterpack.config.manifest import load_manifest
-    from adapterpack.verify.package import verify_package
+    from adapterpack.verification.package import verify_package
 
     adapters = REPO / "adapters" / "smollm2"
     (tmp_path / "m.yaml").write_text(

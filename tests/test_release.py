@@ -176,7 +176,7 @@ def test_interrupted_build_leaves_previous_output_intact(project, tmp_path, how)
 def test_short_disk_space_is_exit_4(project, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import adapterpack.release.artifacts as release_module
+    import adapterpack.distribution.artifacts as release_module
     from adapterpack.cli.app import app
 
     monkeypatch.setattr(release_module.shutil, "disk_usage", lambda path: type("u", (), {"free": 1024})())

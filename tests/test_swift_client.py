@@ -21,8 +21,8 @@ import yaml
 
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
-from adapterpack.verify.executor import ProgramExecutor
-from adapterpack.verify.metrics import compare_logits
+from adapterpack.verification.executor import ProgramExecutor
+from adapterpack.verification.metrics import compare_logits
 from factories import make_adapter, make_base
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.manifest import load_manifest
-from adapterpack.verify.metrics import compare_logits, retention
-from adapterpack.verify.package import verify_package
+from adapterpack.verification.metrics import compare_logits, retention
+from adapterpack.verification.package import verify_package
 from factories import make_adapter, make_base, make_project, run_cli
 
 
@@ -228,7 +228,7 @@ def test_reference_computed_layer_by_layer_equals_the_float32_model(family_build
     adapters alike."""
     import torch
 
-    from adapterpack.verify import reference
+    from adapterpack.verification import reference
 
     if widened == "in parts":
         monkeypatch.setattr(reference, "WIDEN_WHOLE_BYTES", 0)
@@ -240,7 +240,7 @@ def test_reference_computed_layer_by_layer_equals_the_float32_model(family_build
     from adapterpack.convert.base_model import load_base
     from adapterpack.convert.lora import applied_adapter
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify.reference import random_references, stored_dtype
+    from adapterpack.verification.reference import random_references, stored_dtype
 
     family, root, _ = family_build
     # the family's base, stored in float16 as published models are
@@ -309,7 +309,7 @@ def test_references_side_by_side_equal_each_adapter_alone(tmp_path_factory, monk
     from adapterpack.convert.base_model import load_base
     from adapterpack.convert.lora import applied_adapter
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify import reference
+    from adapterpack.verification import reference
 
     root = make_project(tmp_path_factory.mktemp("rows"), SIDE_BY_SIDE_MANIFEST, SIDE_BY_SIDE_ADAPTERS)
     checked = check_inputs(root / "m.yaml")
@@ -355,7 +355,7 @@ def test_a_palettized_weight_s_indices_are_gone_once_folded(demo):
     import gc
     import weakref
 
-    from adapterpack.verify.executor import ProgramExecutor
+    from adapterpack.verification.executor import ProgramExecutor
 
     executor = ProgramExecutor.load(demo.output, functions=["code"])
     indices = [
@@ -375,8 +375,8 @@ def test_a_function_s_executor_is_gone_before_the_next_one_loads(demo, monkeypat
     import gc
     import weakref
 
-    from adapterpack.verify import runners
-    from adapterpack.verify.executor import ProgramExecutor
+    from adapterpack.verification import runners
+    from adapterpack.verification.executor import ProgramExecutor
 
     made: list[weakref.ref] = []
     alive_at_load: list[int] = []

@@ -20,7 +20,7 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.config.manifest import load_manifest
-from adapterpack.verify.package import verify_package
+from adapterpack.verification.package import verify_package
 from factories import invoke_cli, make_demo_project
 
 FOUR_BIT = (
@@ -47,8 +47,8 @@ def test_a_4_bit_package_is_exact_against_its_own_weights_though_far_from_float3
     """Every function, fused, kept and the base, under both drives on random ids and real text:
     cosine >= 0.9999 against the reference holding its palettized weights, while against the
     float32 model the same logits are visibly off (what the compression costs)."""
-    from adapterpack.verify.metrics import compare_logits
-    from adapterpack.verify.reference import random_references
+    from adapterpack.verification.metrics import compare_logits
+    from adapterpack.verification.reference import random_references
 
     report = four_bit_report
     assert report.passed, report.verdict()
@@ -59,8 +59,8 @@ def test_a_4_bit_package_is_exact_against_its_own_weights_though_far_from_float3
             assert figures["cosine"] >= 0.9999 and figures["top1"] >= 0.99, (function.name, drive, figures)
     # the same package against float32 (what verify compared with before): far from exact
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify.drives import run_drives
-    from adapterpack.verify.runners import function_sessions
+    from adapterpack.verification.drives import run_drives
+    from adapterpack.verification.runners import function_sessions
 
     checked = check_inputs(four_bit / "m.yaml")
     tokens, base, adapters = random_references(checked, ["zen", "base"])
@@ -151,7 +151,7 @@ def _bos_project(root: Path) -> tuple[Path, int]:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from adapterpack.config.manifest import VerifySettings
-    from adapterpack.verify.drives import verification_tokens
+    from adapterpack.verification.drives import verification_tokens
     from factories import make_base, plant_massive_activation
     from test_generate import write_byte_level_tokenizer
 
@@ -179,7 +179,7 @@ def test_an_activation_that_fires_only_on_bos_is_missed_by_random_ids_and_caught
     built without that check fails verify on its real-text drives, where float16 overflows."""
     from adapterpack.errors import BadInput
     from adapterpack.inputs.checked import check_inputs
-    from adapterpack.verify import ranges, texts
+    from adapterpack.verification import ranges, texts
 
     manifest, bos = _bos_project(tmp_path)
     checked = check_inputs(manifest)
@@ -210,7 +210,7 @@ def test_real_text_goes_through_the_chat_template_as_an_app_sends_it(tmp_path):
     swift-transformers' applyChatTemplate renders it, encoded without added special tokens."""
     from adapterpack.inputs.checked import check_inputs
     from adapterpack.inputs.text import load_tokenizer
-    from adapterpack.verify import texts
+    from adapterpack.verification import texts
 
     manifest, bos = _bos_project(tmp_path)
     (tmp_path / "base" / "chat_template.jinja").write_text("<s>user:{{ messages[0]['content'] }}\nassistant:")

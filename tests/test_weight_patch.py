@@ -41,14 +41,14 @@ def template(tmp_path_factory):
 
 
 def run(path, x):
-    from adapterpack.verify.executor import ProgramExecutor
+    from adapterpack.verification.executor import ProgramExecutor
 
     executor = ProgramExecutor.load(path)
     return next(iter(executor.predict({"x": x}).values()))
 
 
 def run_function(path, function, x):
-    from adapterpack.verify.executor import ProgramExecutor
+    from adapterpack.verification.executor import ProgramExecutor
 
     executor = ProgramExecutor.load(path, functions=[function])
     return next(iter(executor.predict({"x": x}, function=function).values()))

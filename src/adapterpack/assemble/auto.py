@@ -19,7 +19,7 @@ the functions that start alike (a shared base weight moves for all of them, so i
 once) and the layers a failing adapter changes (its own tensors, which cost only it).
 
 An adapter's retention is measured twice, and the lower one counts: on its calibration text,
-and on the seeded token ids ``verify`` checks every function on (``verify.drives``), so that a
+and on the seeded token ids ``verify`` checks every function on (``verification.drives``), so that a
 choice that keeps a skill on its own text does not fail the package's verification (palettes
 compensated on that text fit it, not the rest of the inputs).
 
@@ -364,7 +364,7 @@ class _Search:
 
     def _seeded_ids(self, base) -> list[int]:
         """The token ids verify checks every function on, as its reference reads them."""
-        from adapterpack.verify.drives import verification_tokens
+        from adapterpack.verification.drives import verification_tokens
 
         tokens = verification_tokens(int(base.config.vocab_size), self.manifest.verify)
         return [int(token) for token in tokens[: self.manifest.export.max_context - 1]]
@@ -373,7 +373,7 @@ class _Search:
         import torch
 
         from adapterpack.config.compression import weight_setting
-        from adapterpack.verify.reference import computed_in_float32
+        from adapterpack.verification.reference import computed_in_float32
 
         if len(ids) < 2:
             raise BadInput(f"{self.checked.calibration[name].path}: a calibration text needs at least 2 tokens")
@@ -430,7 +430,7 @@ class _Search:
     def _measure(self, base, function: _Function) -> _Figures:
         """(perplexity ratio, retention on the text and on verify's token ids) of ``function``
         with every layer at its current step."""
-        from adapterpack.verify.reference import computed_in_float32
+        from adapterpack.verification.reference import computed_in_float32
 
         with self._applied(base, function.name) as model, computed_in_float32(model):
             layers = self._layers(model)
@@ -556,7 +556,7 @@ class _Search:
 
 def _retention(logits: np.ndarray, base_logits: np.ndarray, effect: np.ndarray) -> float:
     """The cosine between the change of ``logits`` from the base's and the adapter's own change."""
-    from adapterpack.verify.metrics import retention_of_sums
+    from adapterpack.verification.metrics import retention_of_sums
 
     change = logits.astype(np.float64) - base_logits
     effect = effect.astype(np.float64)

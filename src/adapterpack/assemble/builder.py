@@ -95,8 +95,8 @@ FLOAT16_CHECK = 1
 def check_value_ranges(checked: CheckedInputs, functions: list[str], reporter: Reporter, cache=None) -> None:
     """Before converting ``functions``: their weights must fit float16, then (for a program
     computing in float16) every value their references compute on random ids and real text
-    (``verify.ranges``), so a weight beyond float16 is named as such, not by its activations."""
-    from adapterpack.verify.ranges import check_reference_values
+    (``verification.ranges``), so a weight beyond float16 is named as such, not by its activations."""
+    from adapterpack.verification.ranges import check_reference_values
 
     with reporter.stage("check that the weights fit float16"):
         check_float16_range(checked, functions, cache)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapterpack.assemble.parts import PartRecord, link_or_copy, place
-from adapterpack.verify.reports import function_report_from_json
+from adapterpack.verification.reports import function_report_from_json
 
 log = logging.getLogger(__name__)
 

@@ -101,7 +101,7 @@ def channel_importance(checked: CheckedInputs, reporter, cache=None) -> ChannelI
 @contextlib.contextmanager
 def _base_in_float32(checked: CheckedInputs):
     from adapterpack.convert.base_model import load_base
-    from adapterpack.verify.reference import computed_in_float32, stored_dtype
+    from adapterpack.verification.reference import computed_in_float32, stored_dtype
 
     base = load_base(checked.base.folder, dtype=stored_dtype(checked.base))
     with computed_in_float32(base):

@@ -43,8 +43,8 @@ from adapterpack.formats.format import Format
 from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path
 from adapterpack.formats.registry import named, of_package
 from adapterpack.inputs.checked import CheckedInputs, check_inputs
-from adapterpack.verify.package import verify_package
-from adapterpack.verify.reports import VERIFY_FORMAT
+from adapterpack.verification.package import verify_package
+from adapterpack.verification.reports import VERIFY_FORMAT
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+import adapterpack as api
 from adapterpack.assemble.builder import check_value_ranges
 from adapterpack.assemble.disk import disk_needs
-from adapterpack.assemble.pipeline import build as run_build
 from adapterpack.assemble.pipeline import build_function_part, merge_from_parts
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.cli.boundary import configure_logging, error_boundary
@@ -37,18 +37,16 @@ from adapterpack.cli.render import (
     verify_table,
 )
 from adapterpack.config.devices import DEVICES, find_device
-from adapterpack.config.manifest import CONTRACTS, load_manifest, manifest_json_schema
+from adapterpack.config.manifest import CONTRACTS, manifest_json_schema
 from adapterpack.config.names import check_swift_type_name
 from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
 from adapterpack.formats.metadata import strict_json
 from adapterpack.formats.registry import NAMES as PACKAGE_FORMATS
 from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.checked import check_inputs, check_layer_exceptions, check_state_sizes
-from adapterpack.release.artifacts import release as run_release
 from adapterpack.report.asset import inspect_either
 from adapterpack.report.memory import budget_rows, inspection_json, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
-from adapterpack.verify.package import verify_package
 
 EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {text.split(' (')[0]}" for code, text in EXIT_CODES.items()) + "."
 
@@ -168,7 +166,7 @@ def build(
             part = build_function_part(manifest, function, parts, options=options, reporter=ConsoleReporter(quiet))
             out.print(f"part {function}: {part}", highlight=False)
             return
-        result = run_build(manifest, output=output, options=options, reporter=ConsoleReporter(quiet))
+        result = api.build(manifest, output=output, options=options, reporter=ConsoleReporter(quiet))
         print_build(result)
 
 
@@ -232,12 +230,9 @@ def verify(
     with error_boundary():
 
         _check_backend(backend)
-        loaded = load_manifest(manifest)
-        if not package.exists():
-            raise BadInput(f"{package}: package not found")
         # Live progress on a terminal; in logs the table and the verdict are the whole output.
         reporter = ConsoleReporter(quiet)
-        report = verify_package(package, loaded, backend=backend, stage=reporter.stage if reporter.live else None)
+        report = api.verify(package, manifest, backend=backend, reporter=reporter if reporter.live else None)
         if as_json:
             print(strict_json(report.as_json(), indent=2))
         else:
@@ -363,7 +358,7 @@ def release(
             force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir, use_cache=not no_cache,
             package_format=_check_format(package_format), contract=_check_contract(contract),
         )
-        result = run_release(
+        result = api.release(
             manifest, out_dir, options=options, reporter=ConsoleReporter(quiet),
             bundle=not no_bundle, eval_text=eval_text, eval_window=eval_window,
         )

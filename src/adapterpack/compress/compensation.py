@@ -12,7 +12,7 @@ decreasing activation energy (GPTQ's "act order"), so the channels that matter m
 while every other column can still compensate them.
 
 On SmolLM2-135M at 4 bits in groups of 16 output channels this takes the held-out perplexity
-ratio from 1.27x (weighted k-means, nearest entries) to 1.08x at the same bytes (README).
+ratio from 1.27x (weighted k-means, nearest entries) to 1.08x at the same bytes (docs/compression.md).
 
     indices = compensated_indices(weight, luts, group_rows=16, gram=H)
 """

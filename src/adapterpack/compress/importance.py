@@ -7,7 +7,7 @@ alike (a few channels carry the "massive activations", thousands of times the ot
 weighting each weight's squared error by the mean square of the activation it multiplies (what
 coremltools' sensitive k-means does with gradients, and AWQ with activation scales) keeps the
 weights that matter. On SmolLM2-135M at 4 bits this takes the perplexity ratio from 7.4x to 1.3x
-at the same bytes (README, "What compression does to a real checkpoint").
+at the same bytes (docs/compression.md).
 
 Weights are named as the build meets them: module paths (``model.layers.0.mlp.down_proj``), the
 checkpoint's tensor names (``...down_proj.weight``) or the traced program's constants

@@ -8,7 +8,7 @@ would. With calibration text, at ``COMPENSATED_LINEAR_MAX_NBITS`` bits or fewer
 compensation (``compress.compensation``, GPTQ): every block's levels (its scale times
 -qmax..qmax) are a palette per output channel and block of input columns. On SmolLM2-135M's
 held-out texts, int4 in blocks of 32 goes from a perplexity ratio of 1.332 / 1.316 / 0.974
-(base / shout / pirate) to 1.120 / 1.126 / 1.012 at the same bytes (README).
+(base / shout / pirate) to 1.120 / 1.126 / 1.012 at the same bytes (docs/compression.md).
 
     data, scale = quantized(value, setting)                  # as coremltools
     data, scale = quantized(value, setting, gram=H)          # compensated

@@ -35,13 +35,13 @@ MAX_CONTEXT_LIMIT = 131072
 # An unset palettization group_size: one palette per 16 output channels. At 4 bits or fewer in a
 # manifest without calibration text, one per output channel instead: there the palettes cannot be
 # weighted by activations, and per 16 channels they do not keep a real checkpoint (SmolLM2-135M
-# at 4 bits: 5.2x perplexity in groups of 16, 1.29x per channel for 4% more bytes; README).
+# at 4 bits: 5.2x perplexity in groups of 16, 1.29x per channel for 4% more bytes; docs/compression.md).
 DEFAULT_GROUP_SIZE = 16
 DATA_FREE_GROUP_SIZE = 1
 DATA_FREE_GROUP_SIZE_MAX_NBITS = 4
 # With calibration text, linear integers at this many bits or fewer are error-compensated
 # (compress.quantize): int8 per channel keeps SmolLM2-135M within 1.008x of float already, int4
-# in blocks of 32 loses 1.33x without compensation and 1.12x with it (README).
+# in blocks of 32 loses 1.33x without compensation and 1.12x with it (docs/compression.md).
 COMPENSATED_LINEAR_MAX_NBITS = 4
 
 
@@ -364,16 +364,16 @@ class Export(_Strict):
             raise ValueError("contract apple applies to format aimodel (a .mlpackage follows swift-transformers' contract)")
 
 
-# Verify's two verdicts per function (verify.package):
+# Verify's two verdicts per function (verification.package):
 # * exact: the package against its PyTorch reference holding the package's own weights, read back
-#   from it (verify.own_weights), on random ids and on real text, under both calling conventions.
+#   from it (verification.own_weights), on random ids and on real text, under both calling conventions.
 #   The conversion must be exact to float16 arithmetic whatever the compression.
 EXACT_THRESHOLDS: dict[str, float] = {"cosine": 0.9999, "top1": 0.99}
 # * quality: that reference against the float32 one (the base's own weights, the adapter unmerged)
 #   on real text: the perplexity ratio, how often the two agree on the next token, and for an
 #   adapter how much of its effect on the logits survived (retention). By compression, chosen
-#   from measurements on a real checkpoint (SmolLM2-135M-Instruct and its two skills; README,
-#   "Verification") with a margin; compression.auto's targets replace them where given.
+#   from measurements on a real checkpoint (SmolLM2-135M-Instruct and its two skills; docs/verification.md)
+#   with a margin; compression.auto's targets replace them where given.
 DEFAULT_QUALITY: dict[str, dict[str, float]] = {
     "none": {"perplexity_ratio": 1.01, "agreement": 0.97, "retention": 0.97},  # measured 1.000x, 100%, 1.000
     "palettize-low": {"perplexity_ratio": 2.0, "agreement": 0.5, "retention": 0.75},  # 1-4 bits: 0.92-1.55x, 57-90%, 0.88-0.99

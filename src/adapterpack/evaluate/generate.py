@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from adapterpack.errors import BadInput
-from adapterpack.verify.drives import Predict, swift_mask
+from adapterpack.verification.drives import Predict, swift_mask
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class LogitsStream(Protocol):
 
 class PackageStream:
     """A package function, called as the Swift client calls it; ``new_session()`` gives a
-    predict bound to a fresh state (``verify.runners.function_sessions``)."""
+    predict bound to a fresh state (``verification.runners.function_sessions``)."""
 
     def __init__(self, new_session: Callable[[], Predict]):
         self.new_session = new_session
@@ -88,7 +88,7 @@ class PackageStream:
 
 
 class ReferenceStream:
-    """The PyTorch reference (``verify.reference.reference_model``) through its own KV cache."""
+    """The PyTorch reference (``verification.reference.reference_model``) through its own KV cache."""
 
     def __init__(self, model):
         self.model = model
@@ -220,7 +220,7 @@ def generate(
     tokenizer's chat template as a Swift app does; with ``compare``, also with its PyTorch
     reference (needs ``checked``: the manifest's inputs) and where the two part."""
     from adapterpack.evaluate.text import package_text
-    from adapterpack.verify.runners import backend_for, function_sessions
+    from adapterpack.verification.runners import backend_for, function_sessions
 
     if compare and checked is None:
         raise BadInput("--compare needs --manifest: the reference is made from its base and adapters")
@@ -244,8 +244,8 @@ def generate(
         run.prefill_seconds, run.tokens_per_second, run.stopped_at_eos, backend_for(Path(package), backend),
     )
     if compare:
-        from adapterpack.verify.metrics import top1_resolution
-        from adapterpack.verify.reference import reference_model
+        from adapterpack.verification.metrics import top1_resolution
+        from adapterpack.verification.reference import reference_model
 
         gaps: dict[int, tuple[float, float]] = {}  # step -> (gap to the package's token, tie resolution)
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from adapterpack.errors import BadInput
-from adapterpack.verify.drives import swift_mask
-from adapterpack.verify.metrics import retention_of_sums
+from adapterpack.verification.drives import swift_mask
+from adapterpack.verification.metrics import retention_of_sums
 
 
 @dataclass
@@ -171,8 +171,8 @@ def evaluate(
     counts windows run."""
     from adapterpack.evaluate.text import package_text
     from adapterpack.inputs.text import read_text_file
-    from adapterpack.verify.reference import reference_model
-    from adapterpack.verify.runners import backend_for, function_sessions
+    from adapterpack.verification.reference import reference_model
+    from adapterpack.verification.runners import backend_for, function_sessions
 
     text = package_text(package, checked)
     names = functions or text.functions

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from adapterpack.verify.executor.elementwise import _eps, _per_channel, _softmax
-from adapterpack.verify.executor.registry import (
+from adapterpack.verification.executor.elementwise import _eps, _per_channel, _softmax
+from adapterpack.verification.executor.registry import (
     Args,
     Handler,
     _axes,

@@ -66,7 +66,7 @@ def _skeleton(checked, values: dict[str, np.ndarray]):
     from safetensors import safe_open
 
     from adapterpack.convert.base_model import meta_model
-    from adapterpack.verify.reference import stored_dtype
+    from adapterpack.verification.reference import stored_dtype
 
     model = meta_model(checked.base.folder, stored_dtype(checked.base))
     state, taken = {}, []
@@ -121,7 +121,7 @@ def own_weights_model(checked, function: str, values: dict[str, np.ndarray]) -> 
     import torch
 
     from adapterpack.convert.lora import applied_adapter
-    from adapterpack.verify.reference import computed_in_float32
+    from adapterpack.verification.reference import computed_in_float32
 
     manifest = checked.manifest
     model, taken = _skeleton(checked, values)

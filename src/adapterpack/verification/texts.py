@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from adapterpack.config.manifest import VerifySettings
-from adapterpack.verify.drives import verification_tokens
+from adapterpack.verification.drives import verification_tokens
 
 log = logging.getLogger(__name__)
 

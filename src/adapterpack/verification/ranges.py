@@ -6,7 +6,7 @@ residual stream); the export keeps the norms safe for any float16 input (``conve
 .rms_norm``), but a value that float16 cannot hold at all (a residual, an MLP product, logits)
 cannot be saved by the export. So before any conversion the PyTorch reference of each function
 (base, and base + each adapter, unmerged) runs on the first tokens of verify's seeded random ids
-and on its real text (``verify.texts``: what a checkpoint's massive activations need, a real
+and on its real text (``verification.texts``: what a checkpoint's massive activations need, a real
 first token) and every module input and output is measured.
 
 Attention scores inside ``scaled_dot_product_attention`` are not observable from module hooks;
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from adapterpack.config.families import FAMILIES
 from adapterpack.errors import BadInput
 from adapterpack.inputs.float16 import FLOAT16_MAX
-from adapterpack.verify.reference import computed_in_float32, sequence_passes, stored_dtype
-from adapterpack.verify.texts import verify_tokens
+from adapterpack.verification.reference import computed_in_float32, sequence_passes, stored_dtype
+from adapterpack.verification.texts import verify_tokens
 
 log = logging.getLogger(__name__)
 

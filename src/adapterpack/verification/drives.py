@@ -24,7 +24,7 @@ def verification_tokens(vocab_size: int, settings: VerifySettings) -> np.ndarray
 # How real clients call a function (see export_decoder): each drive is a prefill of the first
 # tokens, then one call per further token through the same state.
 DRIVES = ("swift", "python")
-# An asset of Apple's contract (verify.coreai_engine): the Swift engine sends a prompt in one call
+# An asset of Apple's contract (verification.coreai_engine): the Swift engine sends a prompt in one call
 # (up to its chunk threshold) or in chunks (past it), then one token per call. Its sessions send
 # the position ids themselves, so the masks these drives pass are not sent.
 APPLE_DRIVES = ("apple", "apple-chunked")

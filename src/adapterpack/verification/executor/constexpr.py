@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from adapterpack.verify.executor.registry import (
+from adapterpack.verification.executor.registry import (
     _CAST_DTYPES,
     Args,
     _axis,
@@ -45,12 +45,15 @@ def _block_index(shape: tuple[int, ...], blocks: tuple[int, ...]) -> list[np.nda
 
 # Values a palette lookup of rows gathers at a time (its int64 indices are 8 bytes each).
 GATHER_CHUNK_VALUES = 1 << 22
+# Palettes that split rows only are looked up by a gather along rows (``_rows_looked_up``);
+# False takes numpy's indexing for every layout (benchmarks/build_time.py --verify-previous).
+ROW_LOOKUPS = True
 
 
 def _lut_to_dense_ios18(indices: np.ndarray, lut: np.ndarray, vector_axis: Any) -> np.ndarray:
     lut = np.asarray(lut)
     rank = np.ndim(indices)
-    if lut.shape[-1] == 1 and all(b == 1 for b in lut.shape[1:rank]) and rank >= 1:
+    if ROW_LOOKUPS and lut.shape[-1] == 1 and all(b == 1 for b in lut.shape[1:rank]) and rank >= 1:
         return _rows_looked_up(np.asarray(indices), lut)
     indices = np.asarray(indices).astype(np.intp)
     picked = lut[tuple(_block_index(indices.shape, lut.shape[:rank])) + (indices,)]  # S + (V,)

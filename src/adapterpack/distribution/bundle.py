@@ -74,8 +74,8 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
     (folder / f"{SWIFT_TYPE}.swift").write_text(swift_enum(listing, SWIFT_TYPE) + "\n")
     # Only a Core AI asset can follow Apple's contract (config.manifest.Export.check_for_format).
     if checked.manifest.export.contract == "apple":
+        from adapterpack.distribution.apple import write_apple_bundles
         from adapterpack.inputs.checked import hf_name
-        from adapterpack.release.apple import write_apple_bundles
 
         write_apple_bundles(
             folder, asset_name=package.name, functions=list(checked.manifest.function_names), name=checked.manifest.name,
@@ -257,7 +257,7 @@ def swift_usage(card, package_name: str, bundle_name: str, first: str, tokenizer
 
 
 def apple_usage(package_name: str, bundle_name: str, functions: list[str]) -> list[str]:
-    """The model card's "Use from Swift" section for Apple's runtime contract (``release.apple``)."""
+    """The model card's "Use from Swift" section for Apple's runtime contract (``distribution.apple``)."""
     first = functions[0]
     return [
         "",

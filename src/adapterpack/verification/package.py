@@ -16,13 +16,13 @@ from adapterpack.config.manifest import Manifest
 from adapterpack.errors import BadInput
 from adapterpack.formats.registry import of_package, read_functions
 from adapterpack.inputs.checked import check_inputs
-from adapterpack.verify.executor import DeclaredTypeMismatch
-from adapterpack.verify.metrics import compare_logits, perplexity_ratio, retention
-from adapterpack.verify.own_weights import own_weights_logits
-from adapterpack.verify.reference import reference_logits
-from adapterpack.verify.reports import FunctionReport, VerifyReport
-from adapterpack.verify.runners import Backend, backend_for, drive_runner
-from adapterpack.verify.texts import verify_tokens
+from adapterpack.verification.executor import DeclaredTypeMismatch
+from adapterpack.verification.metrics import compare_logits, perplexity_ratio, retention
+from adapterpack.verification.own_weights import own_weights_logits
+from adapterpack.verification.reference import reference_logits
+from adapterpack.verification.reports import FunctionReport, VerifyReport
+from adapterpack.verification.runners import Backend, backend_for, drive_runner
+from adapterpack.verification.texts import verify_tokens
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ import numpy as np
 from adapterpack.errors import BadInput
 from adapterpack.formats.mlpackage.blob import read_blob_records
 from adapterpack.formats.mlpackage.spec import check_package_manifest
-from adapterpack.verify.executor import constexpr, elementwise, linalg, shape_ops  # noqa: F401  (importing them registers their ops)
-from adapterpack.verify.executor.registry import (
+from adapterpack.verification.executor import constexpr, elementwise, linalg, shape_ops  # noqa: F401  (importing them registers their ops)
+from adapterpack.verification.executor.registry import (
     _OPS,
     _STATE_OPS,
     Args,

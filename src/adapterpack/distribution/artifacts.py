@@ -46,7 +46,7 @@ class ReleaseResult:
     build_info: Path
     sums: Path
     build: BuildResult
-    bundle: Path | None = None  # the app-ready folder (release.bundle)
+    bundle: Path | None = None  # the app-ready folder (distribution.bundle)
     eval_report: object | None = None  # evaluate.perplexity.EvalReport, with eval_text
 
 
@@ -103,9 +103,9 @@ def release(
     eval_window: int | None = None,
 ) -> ReleaseResult:
     """Build, verify and write ``<name>.mlpackage.zip``, ``build-info.json``, ``SHA256SUMS`` and
-    (``bundle``) the app-ready folder ``<name>/`` (``release.bundle``), whose model card has an
+    (``bundle``) the app-ready folder ``<name>/`` (``distribution.bundle``), whose model card has an
     evaluation table when ``eval_text`` is given (``evaluate.perplexity``)."""
-    from adapterpack.release.bundle import write_bundle
+    from adapterpack.distribution.bundle import write_bundle
 
     reporter = reporter or Reporter()
     out_dir = resolved(out_dir, "--out-dir")
@@ -207,7 +207,7 @@ _SUM_LINE = re.compile(r"[0-9a-f]{64}  [^\n]+")
 def _checked_release(manifest, out_dir: Path, options: BuildOptions, *, bundle: bool, eval_text: Path | None):
     """(checked inputs writing the chosen format, the package's file name): every check a
     release makes before anything is built."""
-    from adapterpack.release.bundle import check_tokenizer_files
+    from adapterpack.distribution.bundle import check_tokenizer_files
 
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput(f"{out_dir}: --out-dir names a file; give a folder (it is created when missing)")

@@ -25,7 +25,7 @@ Read from apple/coreai-models at 86b363d (``swift/Sources``):
   sliding_cache or fixed), all optional.
 - ``CoreAILanguageModels/LanguageModel/CoreAIRunner.swift``: the function run is
   ``function_map["main"][0]``, else ``main``; ``max_context_length`` bounds the caches the
-  engine grows (``verify.coreai_engine``).
+  engine grows (``verification.coreai_engine``).
 """
 
 from __future__ import annotations

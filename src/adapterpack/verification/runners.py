@@ -20,8 +20,8 @@ from adapterpack.formats.aimodel.format import CORE_AI_RUNTIME
 from adapterpack.formats.metadata import METADATA_PREFIX
 from adapterpack.formats.registry import of_package
 from adapterpack.quiet import captured_output, import_coremltools, native_output_captured
-from adapterpack.verify.drives import APPLE_DRIVES, DRIVES, Predict, run_drives
-from adapterpack.verify.executor import ProgramExecutor, UnsupportedOp
+from adapterpack.verification.drives import APPLE_DRIVES, DRIVES, Predict, run_drives
+from adapterpack.verification.executor import ProgramExecutor, UnsupportedOp
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Sessions:
     ):
         self._open = open_function
         self._trouble = trouble
-        self.drives = drives  # how this package's clients call it (verify.drives)
+        self.drives = drives  # how this package's clients call it (verification.drives)
         self.concurrent = concurrent
         # the function's weights as it computes with them (ProgramExecutor.known_values), by the
         # program's names; None where the runtime cannot show them
@@ -245,13 +245,13 @@ def _swift_transformers_sessions(summary, runtime: _CoreAIRuntime) -> Callable[[
 
 def _apple_sessions(package: Path, summary, runtime: _CoreAIRuntime) -> Callable[[str], Callable[[], Predict]]:
     """Entry points of an asset of Apple's contract, each session an emulated Swift engine
-    (``verify.coreai_engine``): it sends the position ids and grows the caches itself, as the
+    (``verification.coreai_engine``): it sends the position ids and grows the caches itself, as the
     runtime does, so the ``causalMask`` a caller passes is not sent (Apple's contract has none).
     By default the pipelined engine, warmed up as ``LanguageModelSession``'s loader does: the one
     ``EngineFactory`` picks for an asset of dynamic shapes (``autoDetectVariant``)."""
     from coreai.runtime import NDArray
 
-    from adapterpack.verify.coreai_engine import PipelinedEngine, SequentialEngine, check_signature
+    from adapterpack.verification.coreai_engine import PipelinedEngine, SequentialEngine, check_signature
 
     max_context = int(aimodel.asset_metadata(package).get(METADATA_PREFIX + "maxContext", "0") or 0)
     if max_context < 1:  # what the bundle's max_context_length tells the runtime

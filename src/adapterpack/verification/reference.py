@@ -134,7 +134,7 @@ def reference_passes(checked, base, names: list[str]) -> Iterator[tuple[object, 
 
     The base and the adapters peft can mix in one batch run side by side, a batch row each
     (``lora.applied_side_by_side``): every base weight is widened and multiplied once for all
-    of them instead of once per function, which is most of a reference's cost (README,
+    of them instead of once per function, which is most of a reference's cost (docs/benchmarks.md,
     ``benchmarks/reference_time.py``). DoRA and ``modules_to_save`` adapters run one at a time.
     The first pass always holds the base's row."""
     import torch
@@ -229,7 +229,7 @@ def reference_logits(checked, names: list[str], tokens) -> References:
 
 def random_references(checked, names: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """(verify's random ids, the base's logits, {adapter function: logits}) on those ids alone."""
-    from adapterpack.verify.texts import VerifyTokens, verification_tokens
+    from adapterpack.verification.texts import VerifyTokens, verification_tokens
 
     manifest = checked.manifest
     vocab = int((checked.base.config.get("text_config") or checked.base.config)["vocab_size"])
