@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 from adapterpack.assemble.calibration import calibration_key, channel_importance
-from adapterpack.assemble.parts import PART_FORMAT, Part, PartRecord, content_key, metadata_of, place
-from adapterpack.assemble.records import Reporter
+from adapterpack.assemble.parts import PART_FORMAT, Part, PartRecord, metadata_of, place
+from adapterpack.assemble.records import Reporter, content_key
 from adapterpack.errors import BadInput
 from adapterpack.formats.metadata import library_versions
 from adapterpack.formats.mlpackage.format import MLPACKAGE

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 
-from adapterpack.assemble.parts import content_key
+from adapterpack.assemble.records import content_key
 from adapterpack.compress.importance import ChannelImportance
 from adapterpack.inputs.calibration import CALIBRATION_TOKENS
 from adapterpack.inputs.checked import CheckedInputs

@@ -8,7 +8,6 @@ machines can be checked for coming from the same base, settings and tool version
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -16,7 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
-from adapterpack.assemble.records import FunctionProvenance
+from adapterpack.assemble.calibration import calibration_key
+from adapterpack.assemble.records import FunctionProvenance, content_key
 from adapterpack.errors import BadInput
 from adapterpack.formats.metadata import library_versions, package_metadata, strict_json
 from adapterpack.formats.mlpackage.format import MLPACKAGE
@@ -37,11 +37,6 @@ PART_FORMAT = 4
 SHARED_FIELDS = ("manifest_name", "base", "max_context", "deployment_target", "versions", "function_order", "default_function")
 # Fields that name or order a part without changing its bytes: left out of its key.
 UNKEYED_FIELDS = ("function_order", "default_function", "manifest_name", "adapter")
-
-
-def content_key(payload: dict) -> str:
-    """sha256 of JSON data, independent of key order (the build cache's keys)."""
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -88,7 +83,6 @@ class PartRecord:
         adapter = manifest.adapter(name)
         info = checked.adapters.get(name)
         mode = manifest.lora_mode(name) if adapter is not None else None
-        from adapterpack.assemble.calibration import calibration_key
 
         compression = manifest.compression_for(name)
         calibration = calibration_key(checked, name)

@@ -22,7 +22,7 @@ from adapterpack.assemble.builder import (
     templates_for,
 )
 from adapterpack.assemble.cache import BuildCache
-from adapterpack.assemble.parts import PartRecord, content_key, is_part, read_parts, write_part
+from adapterpack.assemble.parts import PartRecord, is_part, read_parts, write_part
 from adapterpack.assemble.plan import (
     Plan,
     check_cache_folder,
@@ -32,7 +32,7 @@ from adapterpack.assemble.plan import (
     refuse_inside_a_cache,
     refuse_whole_format,
 )
-from adapterpack.assemble.records import BuildOptions, BuildResult, FunctionProvenance, Reporter
+from adapterpack.assemble.records import BuildOptions, BuildResult, FunctionProvenance, Reporter, content_key
 from adapterpack.assemble.staging import Staging
 from adapterpack.config.device_rules import package_findings
 from adapterpack.config.devices import lora_float16_bytes

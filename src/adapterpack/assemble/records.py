@@ -5,6 +5,8 @@ function, and the build's result.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +17,11 @@ from adapterpack.config.manifest import Manifest
 from adapterpack.formats.format import Format
 
 log = logging.getLogger(__name__)
+
+
+def content_key(payload: dict) -> str:
+    """sha256 of JSON data, independent of key order (the build cache's keys)."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 class Reporter:
