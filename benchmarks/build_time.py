@@ -13,6 +13,7 @@ peak RSS, package sizes and ratios, and the rebuild after one adapter changed (w
     .venv/bin/python benchmarks/build_time.py --with-verify         # ~25M-parameter Llama, 4 adapters
     .venv/bin/python benchmarks/build_time.py --shape 25m 1b 3b --baseline-shapes 25m --verify-package --keep
     .venv/bin/python benchmarks/build_time.py --shape 1b 3b --skip-baseline --verify-package --verify-previous
+    .venv/bin/python benchmarks/build_time.py --shape 3b --settings default --skip-baseline --verify-only --verify-package --verify-previous
     .venv/bin/python benchmarks/build_time.py --shape 1b --skip-baseline --disk-previous    # peak disk, before and after
     .venv/bin/python benchmarks/build_time.py --shape 3b --skip-baseline --parts-previous   # parts sharing the base's blob
 
@@ -404,17 +405,22 @@ def run_shape(args, shape: str) -> dict:
     manifest = make_inputs(root, shape, settings=args.settings)
     figures: dict = {"shape": shape, "settings": args.settings}
 
-    for stale in (root / "out", root / ".adapterpack-cache"):
-        shutil.rmtree(stale, ignore_errors=True)
     ours = root / "out" / "ours.mlpackage"
-    figures.update(full_and_rebuild(root, manifest, ours, verify=False))
+    if args.verify_only:  # the package an earlier run of these settings built
+        if not ours.exists():
+            raise SystemExit(f"--verify-only: {ours} is missing: run once without it first")
+    else:
+        for stale in (root / "out", root / ".adapterpack-cache"):
+            shutil.rmtree(stale, ignore_errors=True)
+        figures.update(full_and_rebuild(root, manifest, ours, verify=False))
     figures["adapterpack_bytes"] = size(ours)
     cli = str(Path(PYTHON).parent / "adapterpack")
     if args.verify_package:  # verify alone: its own peak, apart from the build's
         figures["adapterpack_verify"] = peak_rss_of([cli, "verify", str(ours), "--manifest", str(manifest)], None)
         # exit 3 is a verdict (a FAIL): random weights at 4 bits fail the larger shapes' thresholds
         figures["adapterpack_verify"]["ran_to_a_verdict"] = figures["adapterpack_verify"]["exit_code"] in (0, 3)
-        figures["verify_over_build"] = round(figures["adapterpack_verify"]["seconds"] / figures["adapterpack_full"]["seconds"], 3)
+        if "adapterpack_full" in figures:
+            figures["verify_over_build"] = round(figures["adapterpack_verify"]["seconds"] / figures["adapterpack_full"]["seconds"], 3)
     if args.verify_previous:  # the same verify on the executor as before (PREVIOUS_VERIFY)
         previous = [PYTHON, "-c", PREVIOUS_VERIFY, "verify", str(ours), "--manifest", str(manifest)]
         figures["verify_copying_executor"] = peak_rss_of(previous, None)
@@ -474,6 +480,8 @@ def main() -> None:
     parser.add_argument("--verify-package", action="store_true", help="also time `adapterpack verify` of the built package")
     parser.add_argument("--verify-previous", action="store_true",
                         help="also time verify on the executor as before: the KV-cache copied on every update, palettes looked up by numpy indexing")
+    parser.add_argument("--verify-only", action="store_true",
+                        help="time only the verify figures, of the package an earlier run of the same shape and settings built")
     parser.add_argument("--keep", action="store_true", help="also time full and rebuild with lora: keep")
     parser.add_argument("--disk-previous", action="store_true",
                         help="also build with the disk use of before (PREVIOUS_DISK): peak disk side by side")
@@ -484,6 +492,8 @@ def main() -> None:
                              "(no compression block: what a plain manifest gets), auto (calibration text, compression: auto)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.verify_only and not args.skip_baseline:
+        parser.error("--verify-only times verify alone: add --skip-baseline")
 
     report = {"machine": machine(), "runs": []}
     for shape in args.shape:
