@@ -9,14 +9,9 @@ from __future__ import annotations
 import json
 import re
 
-MARKERS = {
-    "<!-- manifest-reference -->": lambda: manifest_reference(),
-    "<!-- cli-reference -->": lambda: cli_reference(),
-}
-
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    for marker, generate in MARKERS.items():
+    for marker, generate in {"<!-- manifest-reference -->": manifest_reference, "<!-- cli-reference -->": cli_reference}.items():
         if marker in markdown:
             markdown = markdown.replace(marker, generate())
     return markdown

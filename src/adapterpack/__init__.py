@@ -131,9 +131,9 @@ def verify(
     from adapterpack.config.manifest import load_manifest as load
     from adapterpack.errors import BadInput
     from adapterpack.verification.package import verify_package
+    from adapterpack.verification.runners import check_backend
 
-    if backend not in ("numpy", "coreml"):
-        raise BadInput(f"backend {backend!r}: choose numpy or coreml")
+    check_backend(backend)
     if not Path(package).exists():
         raise BadInput(f"{package}: package not found")
     loaded = manifest if isinstance(manifest, Manifest) else load(manifest)

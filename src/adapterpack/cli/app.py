@@ -47,6 +47,7 @@ from adapterpack.inputs.checked import check_inputs, check_layer_exceptions, che
 from adapterpack.report.asset import inspect_either
 from adapterpack.report.memory import budget_rows, inspection_json, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
+from adapterpack.verification.runners import check_backend
 
 EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {text.split(' (')[0]}" for code, text in EXIT_CODES.items()) + "."
 
@@ -153,7 +154,7 @@ def build(
     configure_logging(quiet)
     with error_boundary():
 
-        _check_backend(backend)
+        check_backend(backend)
         options = BuildOptions(
             force=force, allow_pickle=allow_pickle, strict=strict, verify=not no_verify, backend=backend,
             cache_dir=cache_dir, use_cache=not no_cache, package_format=_check_format(package_format),
@@ -189,7 +190,7 @@ def merge(
     configure_logging(quiet)
     with error_boundary():
 
-        _check_backend(backend)
+        check_backend(backend)
         options = BuildOptions(force=force, strict=strict, backend=backend)
         result = merge_from_parts(parts_dir, output, manifest=manifest, options=options, reporter=ConsoleReporter(quiet))
         print_build(result)
@@ -207,13 +208,6 @@ def _check_format(package_format: str | None) -> str | None:
     return package_format
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in ("numpy", "coreml"):
-        raise BadInput(f"--backend {backend!r}: choose numpy or coreml")
-    if backend == "coreml" and sys.platform != "darwin":
-        raise BadInput("--backend coreml needs macOS (the Core ML runtime); use the default numpy backend here")
-
-
 @app.command()
 def verify(
     package: Annotated[Path, typer.Argument(help="The .mlpackage to check", show_default=False)],
@@ -229,7 +223,7 @@ def verify(
     configure_logging(quiet=True)
     with error_boundary():
 
-        _check_backend(backend)
+        check_backend(backend)
         # Live progress on a terminal; in logs the table and the verdict are the whole output.
         reporter = ConsoleReporter(quiet)
         report = api.verify(package, manifest, backend=backend, reporter=reporter if reporter.live else None)
@@ -274,7 +268,7 @@ def generate(
         from adapterpack.evaluate.generate import Sampling
         from adapterpack.evaluate.generate import generate as run_generate
 
-        _check_backend(backend)
+        check_backend(backend)
         checked = check_inputs(manifest) if manifest is not None else None
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         # The prompt is echoed with the first generated text, once the package has opened: a
@@ -318,7 +312,7 @@ def eval_command(
     with error_boundary():
         from adapterpack.evaluate.perplexity import evaluate
 
-        _check_backend(backend)
+        check_backend(backend)
         checked = check_inputs(manifest) if manifest is not None else None
         reporter = ConsoleReporter(quiet or as_json)
         with reporter.progress("eval: windows run (package, then reference)", "windows") as update:
@@ -353,7 +347,7 @@ def release(
     configure_logging(quiet)
     with error_boundary():
 
-        _check_backend(backend)
+        check_backend(backend)
         options = BuildOptions(
             force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir, use_cache=not no_cache,
             package_format=_check_format(package_format), contract=_check_contract(contract),

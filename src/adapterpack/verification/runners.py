@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 Backend = Literal["numpy", "coreml"]
 
 
+def check_backend(backend: str) -> None:
+    """Refuse (BadInput, exit 2) a backend that is not one, or Core ML where it does not run."""
+    if backend not in ("numpy", "coreml"):
+        raise BadInput(f"--backend {backend!r}: choose numpy or coreml")
+    if backend == "coreml" and sys.platform != "darwin":
+        raise BadInput("--backend coreml needs macOS (the Core ML runtime); use the default numpy backend here")
+
+
 def backend_for(package: Path, backend: str) -> str:
     """The name of what runs ``package`` when ``backend`` is asked for (reports say which ran):
     the runtime its format is bound to, else ``backend``."""

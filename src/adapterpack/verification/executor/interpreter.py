@@ -51,6 +51,7 @@ SUPPORTED_OPS: frozenset[str] = frozenset(_OPS) | {"const"} | _STATE_OPS
 # ``_InPlaceUpdates``); False copies on every update (tests compare the two).
 STATE_UPDATES_IN_PLACE = True
 
+
 class _InPlaceUpdates:
     """Which ``slice_update`` steps of one call may write into their input instead of a copy.
 
@@ -58,7 +59,7 @@ class _InPlaceUpdates:
     the layer before, updates its rows (``slice_update``) and writes it back. Core ML does that
     in place; a copy per layer of a 3B model's whole cache is most of a decode step here. The
     result is the same array either way when nothing reads the input after the update: the
-    step is the input slot's last reader (``_Compiled.last_read``), the array was made during
+    step is the input slot's last reader (``_Compiled.in_place``), the array was made during
     this call (a state's copy, or an earlier update's result: never a constant or an input),
     no value still to be read (``pending``) may share its memory (a slice of the cache the
     attention reads is a view), and a state holding it is written next, not read.
@@ -66,30 +67,27 @@ class _InPlaceUpdates:
 
     def __init__(self, compiled: _Compiled, live: dict[str, np.ndarray]):
         self.compiled, self.live = compiled, live
-        self.enabled = STATE_UPDATES_IN_PLACE and bool(compiled.in_place)
+        self.enabled = in_place_updates(compiled)
+        # Arrays made during this call, kept referenced so that their ids stay theirs.
         self.owned = {id(value): value for value in live.values()} if self.enabled else {}
         self.pending: dict[int, Any] = {}
 
-    def ran_before(self, index: int, env: list[Any]) -> None:
-        """Bookkeeping for the step before ``index``: its outputs wait for their readers, the
-        values it was the last to read are let go."""
-        if not self.enabled or index == 0:
+    def ran(self, index: int, env: list[Any]) -> None:
+        """Bookkeeping after step ``index``: its outputs wait for their readers, the values it
+        was the last to read are let go (``_Compiled.waits``, ``_Compiled.done``)."""
+        if not self.enabled:
             return
-        step = self.compiled.steps[index - 1]
-        last_read = self.compiled.last_read
-        for slot in _Compiler._refs(step):
-            if last_read.get(slot, -1) <= index - 1:
-                self.pending.pop(slot, None)
-        for slot in step.outs:
-            if last_read.get(slot, -1) > index - 1:
-                self.pending[slot] = env[slot]
+        for slot in self.compiled.done[index]:
+            self.pending.pop(slot, None)
+        for slot in self.compiled.waits[index]:
+            self.pending[slot] = env[slot]
 
     def may_update(self, index: int, step: _Step, env: list[Any]) -> bool:
         if not self.enabled or index not in self.compiled.in_place:
             return False
         x_slot = dict(step.args)["x"]
         x = env[x_slot]
-        if id(x) not in self.owned or self.owned[id(x)] is not x:
+        if id(x) not in self.owned:
             return False
         if (step.dtypes[0] is not None and step.dtypes[0] != x.dtype) or (
             step.declared and step.declared[0] is not None and step.declared[0].mismatch(x) is not None
@@ -113,6 +111,10 @@ class _InPlaceUpdates:
             value = env[step.outs[0]]
             self.owned[id(value)] = value
 
+
+def in_place_updates(compiled: _Compiled) -> bool:
+    """Whether a call of ``compiled`` may update values in place (and so copies the states)."""
+    return STATE_UPDATES_IN_PLACE and bool(compiled.in_place)
 
 
 _READ, _WRITE, _CALL = 0, 1, 2
@@ -269,12 +271,13 @@ class _Compiled:
     outputs: list[tuple[str, int]] = field(default_factory=list)
     attentions: int = 0  # attention ops in the function (to say where an op sits)
     named: dict[str, int] = field(default_factory=dict)  # known values (constants, folded) by name
-    # The last step that reads each slot a step writes (len(steps) for the function's outputs):
-    # after it, nothing reads the value.
-    last_read: dict[int, int] = field(default_factory=dict)
     # Steps that may update their input in place (``_in_place_updates``), with the states whose
     # next state op after the step is a write.
     in_place: dict[int, frozenset[str]] = field(default_factory=dict)
+    # Per step, the slots it writes that a later step reads (``waits``) and the slots it is the
+    # last to read (``done``): which values are still to be read between steps.
+    waits: list[tuple[int, ...]] = field(default_factory=list)
+    done: list[tuple[int, ...]] = field(default_factory=list)
 
 
 def _declared_dtype(var: Any) -> Any:
@@ -486,7 +489,7 @@ class ProgramExecutor:
         for key, (shape, dtype) in compiled.states.items():
             # A copy of its own when updates may run in place: the caller's arrays change only
             # when the call completes.
-            live[key] = np.array(state[key], dtype=dtype) if compiled.in_place else np.asarray(state[key]).astype(dtype, copy=False)
+            live[key] = np.array(state[key], dtype=dtype) if in_place_updates(compiled) else np.asarray(state[key]).astype(dtype, copy=False)
             if live[key].shape != shape:
                 raise ValueError(f"state {key!r} of function {name!r} has shape {live[key].shape}, expected {shape}")
         written: set[str] = set()
@@ -508,7 +511,8 @@ class ProgramExecutor:
         state_finite: dict[str, bool] = {}  # each state scanned once per call, when first read
         updates = _InPlaceUpdates(compiled, live)
         for index, step in enumerate(compiled.steps):
-            updates.ran_before(index, env)
+            if index:
+                updates.ran(index - 1, env)
             if step.kind == _READ:
                 env[step.outs[0]] = live[step.state]
                 if step.state not in state_finite:
@@ -538,7 +542,7 @@ class ProgramExecutor:
             else:
                 largest_output = self._run_step(step, env, name)
                 updates.made(step, env)
-            refs = [r for _, ref in step.args for r in (ref if isinstance(ref, tuple) else (ref,))]
+            refs = _Compiler._refs(step)
             if step.op_type in _MOVES_VALUES:
                 if tainted.intersection(refs):
                     tainted.update(step.outs)
@@ -757,19 +761,17 @@ class _Compiler:
         needed |= {slot for _, slot in outputs}
         env = [v if (i in needed or i not in self.static) else None for i, v in enumerate(self.env)]
         named = {name: slot for name, slot in self.names.items() if slot in self.static and env[slot] is not None}
-        last_read = self._last_read(outputs)
-        return _Compiled(
-            self.steps, env, self.inputs, self.states, self.state_slots, outputs, self.attentions, named,
-            last_read, self._in_place_updates(last_read),
-        )
-
-    def _last_read(self, outputs: list[tuple[str, int]]) -> dict[int, int]:
+        # The last step that reads each slot (len(steps) for the function's outputs).
         last_read: dict[int, int] = {}
         for index, step in enumerate(self.steps):
-            for slot in self._refs(step):
-                last_read[slot] = index
+            last_read.update(dict.fromkeys(self._refs(step), index))
         last_read.update({slot: len(self.steps) for _, slot in outputs})
-        return last_read
+        waits = [tuple(slot for slot in step.outs if last_read.get(slot, -1) > index) for index, step in enumerate(self.steps)]
+        done = [tuple(slot for slot in set(self._refs(step)) if last_read[slot] == index) for index, step in enumerate(self.steps)]
+        return _Compiled(
+            self.steps, env, self.inputs, self.states, self.state_slots, outputs, self.attentions, named,
+            self._in_place_updates(last_read), waits, done,
+        )
 
     def _in_place_updates(self, last_read: dict[int, int]) -> dict[int, frozenset[str]]:
         """{index of a ``slice_update`` step that is its input's last reader: the states whose
