@@ -211,3 +211,22 @@ def test_version_is_printed():
     result = run_cli("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"adapterpack {version('adapterpack')}"
+
+
+def test_a_command_run_in_process_leaves_ctrl_c_as_it_found_it(project):
+    """The commands catch Ctrl-C to exit 130; run in a longer-lived process (a test runner, a
+    script calling the app), they hand the previous handler back when they return."""
+    import signal
+
+    from factories import invoke_cli
+
+    def own_handler(signum, frame):
+        raise AssertionError("not reached")
+
+    previous = signal.signal(signal.SIGINT, own_handler)
+    try:
+        result = invoke_cli("validate", project / "tiny.yaml")
+        assert result.returncode == 0, result.stderr
+        assert signal.getsignal(signal.SIGINT) is own_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -70,10 +70,12 @@ def error_boundary() -> Iterator[None]:
     """Turn every failure into one line on stderr and a documented exit code."""
     import signal
 
+    installed = False
     try:
-        signal.signal(signal.SIGINT, _on_sigint)
+        previous = signal.signal(signal.SIGINT, _on_sigint)
+        installed = True
     except ValueError:  # not the main thread (e.g. under a test runner's worker)
-        pass
+        previous = None
     try:
         yield
     except AdapterpackError as error:
@@ -120,3 +122,8 @@ def error_boundary() -> Iterator[None]:
             soft_wrap=True,
         )
         raise typer.Exit(1) from None
+    finally:
+        # A command run inside a longer-lived process (the Python API's caller, a test runner)
+        # leaves Ctrl-C as it found it.
+        if installed:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
