@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import adapterpack.compress.palettes as palettes  # noqa: E402
 from adapterpack.compress.palettes import PaletteStore, grouped_rows  # noqa: E402
-from adapterpack.config.manifest import Compression  # noqa: E402
+from adapterpack.config.compression import Compression  # noqa: E402
 
 # (hidden, intermediate, kv width) of the shapes in build_time.py
 SHAPES = {"1b": (2048, 8192, 512), "3b": (3072, 8192, 1024), "8b": (4096, 14336, 1024)}

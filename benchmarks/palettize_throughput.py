@@ -104,7 +104,7 @@ def main() -> None:
     from coremltools.optimize import coreml as cto
 
     from adapterpack.compress.model import compress_model
-    from adapterpack.config.manifest import Compression
+    from adapterpack.config.compression import Compression
 
     install_kmeans1d_shim()
     params = args.layers * args.size * args.size

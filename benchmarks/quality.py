@@ -144,8 +144,7 @@ def embedding_weights(model, label: str) -> tuple[dict, int]:
 
     from adapterpack.compress.coreai_weights import CoreAIWeights
     from adapterpack.compress.palettes import PaletteStore
-    from adapterpack.config.compression import compressed_bytes, weight_setting
-    from adapterpack.config.manifest import Compression
+    from adapterpack.config.compression import Compression, compressed_bytes, weight_setting
 
     compression = Compression(**COMPRESSIONS[label], keep_float16=())
     name, embedding = next((n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding))
@@ -278,7 +277,7 @@ def chosen(checked, label: str, auto_targets: dict) -> dict:
     from adapterpack.assemble.auto import resolve_auto
     from adapterpack.assemble.cache import FolderPalettes
     from adapterpack.assemble.records import Reporter
-    from adapterpack.config.manifest import Compression
+    from adapterpack.config.compression import Compression
 
     settings = dict(COMPRESSIONS[label], keep_float16=KEEP_FLOAT16)
     if label != "auto":
@@ -296,7 +295,7 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
     from adapterpack.assemble.calibration import channel_importance
     from adapterpack.assemble.records import Reporter
     from adapterpack.compress.importance import ChannelImportance
-    from adapterpack.config.manifest import Compression
+    from adapterpack.config.compression import Compression
     from adapterpack.convert.base_model import load_base
     from adapterpack.inputs.checked import check_inputs
     from adapterpack.inputs.text import load_tokenizer

@@ -30,7 +30,7 @@ def test_a_round_measures_again_only_the_functions_its_moves_reach():
     """An adapter's own (fused) layer reaches only it; a shared base layer reaches every function
     that starts alike, except one holding its own fused weight there; another start is apart."""
     from adapterpack.assemble.auto import _Function, _Search
-    from adapterpack.config.manifest import Compression
+    from adapterpack.config.compression import Compression
 
     start = Compression(method="palettize", nbits=4)
     other = Compression(method="palettize", nbits=6)

@@ -11,7 +11,7 @@ from adapterpack.compress.compensation import compensated_indices
 from adapterpack.compress.importance import ChannelImportance
 from adapterpack.compress.kmeans import kmeans_1d
 from adapterpack.compress.palettes import PaletteStore
-from adapterpack.config.manifest import Compression
+from adapterpack.config.compression import Compression
 
 GROUP = 4
 

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from adapterpack.config.compression import WEIGHT_THRESHOLD, compressed_bytes, weight_setting
+from adapterpack.config.compression import WEIGHT_THRESHOLD, Compression, compressed_bytes, weight_setting
 from adapterpack.config.devices import estimated_weight_bytes
-from adapterpack.config.manifest import Compression
 
 # name -> shape: at the threshold, past it, past it but not tiled by channel groups, 1-D past it, kept by name, a rope table,
 # LoRA matrices (keep mode).

@@ -18,8 +18,7 @@ from adapterpack.assemble.records import ProgressLines, progress_text
 from adapterpack.compress.model import compress_model, compress_package
 from adapterpack.compress.palettes import PaletteStore
 from adapterpack.compress.program import compress_program, pack_indices
-from adapterpack.config.compression import weight_setting
-from adapterpack.config.manifest import Compression
+from adapterpack.config.compression import Compression, weight_setting
 from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path, walk_ops
 from adapterpack.formats.mlpackage.weight_patch import WEIGHTS
 from adapterpack.quiet import captured_output, import_coremltools

@@ -129,7 +129,8 @@ def test_quality_follows_the_manifest_s_thresholds(four_bit, four_bit_report, tm
 
 
 def test_thresholds_take_the_manifest_then_auto_then_the_defaults():
-    from adapterpack.config.manifest import DEFAULT_QUALITY, EXACT_THRESHOLDS, Compression, VerifySettings
+    from adapterpack.config.compression import Compression
+    from adapterpack.config.manifest import DEFAULT_QUALITY, EXACT_THRESHOLDS, VerifySettings
 
     four = Compression(method="palettize", nbits=4)
     assert VerifySettings().thresholds_for(four) == EXACT_THRESHOLDS | DEFAULT_QUALITY["palettize-low"]

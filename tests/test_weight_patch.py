@@ -137,7 +137,7 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     from adapterpack.assemble.cache import FolderPalettes
     from adapterpack.compress.model import compressed_records
     from adapterpack.compress.palettes import PaletteStore
-    from adapterpack.config.manifest import Compression
+    from adapterpack.config.compression import Compression
     from adapterpack.formats.mlpackage.digest import function_digests
 
     _, w1, w2 = template
@@ -160,7 +160,7 @@ def test_compressed_records_decode_to_the_palettized_weight():
     """The records are what constexpr_lut_to_dense reads: packed indices (LSB first) and a palette."""
     from adapterpack.compress.model import compressed_records
     from adapterpack.compress.palettes import PaletteStore
-    from adapterpack.config.manifest import Compression
+    from adapterpack.config.compression import Compression
 
     weight = np.random.default_rng(3).standard_normal((32, 48)).astype(np.float16)
     [[(index_dtype, packed), (lut_dtype, lut)]] = compressed_records(

@@ -39,7 +39,7 @@ import numpy as np
 
 from adapterpack.assemble.calibration import CALIBRATION_VERSION, calibration_ids, calibration_key, channel_importance
 from adapterpack.assemble.records import content_key
-from adapterpack.config.manifest import SETTING_FIELDS, Compression
+from adapterpack.config.compression import SETTING_FIELDS, Compression
 from adapterpack.errors import BadInput
 from adapterpack.inputs.checked import CheckedInputs
 

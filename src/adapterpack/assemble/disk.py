@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterpack.config.manifest import Compression
+from adapterpack.config.compression import Compression
 from adapterpack.errors import OutOfResources
 
 # Palettes on disk per float16 model byte (1B shape, 4 adapters on q/k/v/o, 4 bits: 1.0 GB for

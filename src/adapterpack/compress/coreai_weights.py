@@ -30,8 +30,7 @@ from torch.nn import functional as F
 
 from adapterpack.compress.palettes import PaletteStore, content_digest, grouped_rows
 from adapterpack.compress.quantize import stored_quantized
-from adapterpack.config.compression import weight_setting
-from adapterpack.config.manifest import Compression
+from adapterpack.config.compression import Compression, weight_setting
 
 log = logging.getLogger(__name__)
 

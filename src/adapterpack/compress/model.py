@@ -20,8 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from adapterpack.compress.palettes import PaletteStore, grouped_rows
-from adapterpack.config.compression import WEIGHT_THRESHOLD, is_lora_weight, weight_setting
-from adapterpack.config.manifest import Compression
+from adapterpack.config.compression import WEIGHT_THRESHOLD, Compression, is_lora_weight, weight_setting
 from adapterpack.formats.mlpackage.spec import save_model
 from adapterpack.quiet import captured_output, import_coremltools
 

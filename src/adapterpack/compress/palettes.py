@@ -24,7 +24,7 @@ import numpy as np
 from adapterpack.compress.compensation import compensated_indices
 from adapterpack.compress.importance import ChannelImportance
 from adapterpack.compress.kmeans import kmeans_1d, palettize_group
-from adapterpack.config.manifest import Compression
+from adapterpack.config.compression import Compression
 from adapterpack.threads import available_cores
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import numpy as np
 
 from adapterpack.compress.palettes import PaletteStore, grouped_rows, pack_bits
 from adapterpack.compress.quantize import pack_signed, stored_quantized
-from adapterpack.config.manifest import Compression
+from adapterpack.config.compression import Compression
 from adapterpack.formats.mlpackage.blob import BlobWriter, record_metadata
 from adapterpack.formats.mlpackage.spec import MODEL_PATH_PREFIX, load_spec_file, op_values, spec_path, walk_ops
 from adapterpack.quiet import import_coreml_proto

@@ -23,7 +23,7 @@ import numpy as np
 
 from adapterpack.compress.compensation import compensated_indices
 from adapterpack.compress.palettes import PaletteStore, content_digest, pack_bits, unpack_bits
-from adapterpack.config.manifest import Compression
+from adapterpack.config.compression import Compression
 
 # Bump when compensated integers change (keys of their cache entries).
 COMPENSATED_INT_ALGORITHM = "gptq-act-order-int-v1"

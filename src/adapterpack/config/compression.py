@@ -1,4 +1,5 @@
-"""Which compression each weight gets: the one rule both compressors (Core ML's through
+"""How weights are compressed: the manifest's ``compression`` block (``Compression``), and which
+setting each weight gets: the one rule both compressors (Core ML's through
 coremltools, Core AI's in torch) and the memory estimate follow, and how ``keep_float16``
 patterns match a weight's name.
 
@@ -11,12 +12,204 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from adapterpack.config.manifest import Compression
+from pydantic import Field, StrictFloat, StrictInt, StrictStr, model_validator
+
+from adapterpack.config.strict import Strict
 
 log = logging.getLogger(__name__)
+
+
+PALETTIZE_NBITS = (1, 2, 3, 4, 6, 8)
+LINEAR_NBITS = (4, 8)
+# An unset palettization group_size: one palette per 16 output channels. At 4 bits or fewer in a
+# manifest without calibration text, one per output channel instead: there the palettes cannot be
+# weighted by activations, and per 16 channels they do not keep a real checkpoint (SmolLM2-135M
+# at 4 bits: 5.2x perplexity in groups of 16, 1.29x per channel for 4% more bytes; docs/compression.md).
+DEFAULT_GROUP_SIZE = 16
+DATA_FREE_GROUP_SIZE = 1
+DATA_FREE_GROUP_SIZE_MAX_NBITS = 4
+# With calibration text, linear integers at this many bits or fewer are error-compensated
+# (compress.quantize): int8 per channel keeps SmolLM2-135M within 1.008x of float already, int4
+# in blocks of 32 loses 1.33x without compensation and 1.12x with it (docs/compression.md).
+COMPENSATED_LINEAR_MAX_NBITS = 4
+
+
+# The fields that say how a weight is compressed (what a per-layer exception may change).
+SETTING_FIELDS = ("method", "nbits", "granularity", "group_size", "block_size", "sparsity")
+
+
+class AutoTargets(Strict):
+    """What ``compression.auto`` must keep, measured on each function's calibration text."""
+
+    max_perplexity_ratio: StrictFloat | StrictInt = Field(
+        default=1.05, ge=1.0, description="Largest perplexity of the compressed function over its float reference's"
+    )
+    min_retention: StrictFloat | StrictInt = Field(
+        default=0.9, ge=0.0, le=1.0, description="Smallest share of the adapter's effect on the logits that survives"
+    )
+
+
+class Compression(Strict):
+    """How one function's weights are compressed; unset fields take the method's defaults."""
+
+    method: Literal["palettize", "linear", "prune", "none"] = "palettize"
+    nbits: StrictInt | None = None
+    granularity: Literal["per_tensor", "per_channel", "per_grouped_channel", "per_block"] | None = None
+    group_size: StrictInt | None = Field(
+        default=None,
+        ge=1,
+        description="Output channels per palette (per_grouped_channel); default 16, or 1 at 4 bits or fewer when "
+        "the manifest names no calibration text",
+    )
+    block_size: StrictInt | None = Field(default=None, ge=1)
+    sparsity: StrictFloat | None = Field(default=None, gt=0.0, lt=1.0)
+    keep_float16: tuple[StrictStr, ...] = ("embed_tokens", "lm_head")
+    layers: tuple[tuple[StrictStr, Compression], ...] = Field(
+        default=(),
+        description="Per-layer exceptions, {weight name pattern: settings} (first match wins; patterns match as "
+        "keep_float16's): e.g. {model.layers.0.mlp.down_proj: {nbits: 8}}. Settings merge over this block's; the "
+        "method must be this block's or none",
+    )
+    auto: AutoTargets | None = Field(
+        default=None,
+        description="Choose more bits or float16 for the layers that need them, until every function meets these "
+        "targets on its calibration text (`compression: auto` for the defaults)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layer_mapping(cls, data: Any) -> Any:
+        """``layers`` as written, a mapping of pattern to partial settings, made whole: each
+        exception's settings merged over this block's (or, naming another method, that method's
+        defaults)."""
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
+            return data
+        own = {key: data[key] for key in SETTING_FIELDS if key in data}
+        pairs = []
+        for pattern, override in data["layers"].items():
+            if not isinstance(override, dict):
+                raise ValueError(f"layers: '{pattern}' needs settings as a mapping, e.g. {{nbits: 8}}")
+            same_method = override.get("method", own.get("method", "palettize")) == own.get("method", "palettize")
+            pairs.append((pattern, {**(own if same_method else {}), **override, "keep_float16": ()}))
+        return {**data, "layers": tuple(pairs)}
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> Compression:
+        method = self.method
+        given = self.model_fields_set
+
+        def forbid(*names: str) -> None:
+            for name in names:
+                if name in given and getattr(self, name) is not None:
+                    raise ValueError(f"'{name}' does not apply to method '{method}'")
+
+        values: dict[str, Any] = {}
+        if method == "palettize":
+            forbid("block_size", "sparsity")
+            nbits = 4 if self.nbits is None else self.nbits
+            if nbits not in PALETTIZE_NBITS:
+                raise ValueError(f"nbits {nbits} is not valid for palettize: choose one of {PALETTIZE_NBITS}")
+            granularity = self.granularity or "per_grouped_channel"
+            if granularity not in ("per_tensor", "per_grouped_channel"):
+                raise ValueError(
+                    f"granularity '{granularity}' is not valid for palettize: "
+                    "choose per_tensor or per_grouped_channel"
+                )
+            values = {"nbits": nbits, "granularity": granularity}
+            if granularity == "per_grouped_channel":
+                values["group_size"] = self.group_size or DEFAULT_GROUP_SIZE
+            else:
+                forbid("group_size")
+        elif method == "linear":
+            forbid("group_size", "sparsity")
+            nbits = 8 if self.nbits is None else self.nbits
+            if nbits not in LINEAR_NBITS:
+                raise ValueError(f"nbits {nbits} is not valid for linear: choose one of {LINEAR_NBITS}")
+            granularity = self.granularity or "per_block"
+            if granularity not in ("per_tensor", "per_channel", "per_block"):
+                raise ValueError(
+                    f"granularity '{granularity}' is not valid for linear: "
+                    "choose per_tensor, per_channel or per_block"
+                )
+            values = {"nbits": nbits, "granularity": granularity}
+            if granularity == "per_block":
+                values["block_size"] = self.block_size or 32
+            else:
+                forbid("block_size")
+        elif method == "prune":
+            forbid("nbits", "granularity", "group_size", "block_size")
+            values = {"sparsity": 0.5 if self.sparsity is None else self.sparsity}
+        else:
+            forbid("nbits", "granularity", "group_size", "block_size", "sparsity")
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+        for pattern, exception in self.layers:
+            if exception.method not in (method, "none"):
+                raise ValueError(f"layers: '{pattern}' uses method {exception.method}: an exception is {method} or none")
+            if exception.layers or exception.auto is not None:
+                raise ValueError(f"layers: '{pattern}' cannot have layers or auto of its own")
+        if self.auto is not None and method != "palettize":
+            raise ValueError(f"auto chooses palettization bits: it does not apply to method '{method}'")
+        return self
+
+    def data_free(self) -> Compression:
+        """This compression in a manifest without calibration text: a palettization at
+        ``DATA_FREE_GROUP_SIZE_MAX_NBITS`` or fewer whose group_size is unset gets one palette per
+        output channel (so do such per-layer exceptions)."""
+        update: dict[str, Any] = {}
+        if (
+            self.method == "palettize"
+            and self.granularity == "per_grouped_channel"
+            and self.nbits <= DATA_FREE_GROUP_SIZE_MAX_NBITS
+            and "group_size" not in self.model_fields_set
+        ):
+            update["group_size"] = DATA_FREE_GROUP_SIZE
+        layers = tuple((pattern, exception.data_free()) for pattern, exception in self.layers)
+        if layers != self.layers:
+            update["layers"] = layers
+        return self.model_copy(update=update) if update else self
+
+    def compensated(self) -> bool:
+        """Whether this setting's linear integers are error-compensated when calibration text
+        gives their layer's Gram."""
+        return self.method == "linear" and self.nbits <= COMPENSATED_LINEAR_MAX_NBITS
+
+    def uses_calibration(self) -> bool:
+        """Whether calibration text changes what this compression writes: palettes weighted by
+        activation energy, or linear integers compensated (here or in a per-layer exception)."""
+        return self.method == "palettize" or any(s.compensated() for s in (self, *(e for _, e in self.layers)))
+
+    def describe(self) -> str:
+        """Short human description, e.g. ``palettize 4-bit per_grouped_channel/16``, and how many
+        layers are exceptions (``+ 2 layers at 8-bit``)."""
+        described = self._describe_setting()
+        if self.layers:
+            kinds: dict[str, int] = {}
+            for _, exception in self.layers:
+                if exception.method == "none":
+                    kind = "float16"
+                elif exception.method == "prune":
+                    kind = f"{exception.sparsity:.0%} sparsity"
+                else:
+                    kind = f"{exception.nbits}-bit"
+                    if (exception.granularity, exception.group_size, exception.block_size) != (self.granularity, self.group_size, self.block_size):
+                        kind = exception._describe_setting().removeprefix(self.method + " ").replace("linear ", "")
+                kinds[kind] = kinds.get(kind, 0) + 1
+            described += "".join(f" + {count} layer{'s' * (count > 1)} at {kind}" for kind, count in kinds.items())
+        return described
+
+    def _describe_setting(self) -> str:
+        if self.method == "palettize":
+            extra = f"/{self.group_size}" if self.granularity == "per_grouped_channel" else ""
+            return f"palettize {self.nbits}-bit {self.granularity}{extra}"
+        if self.method == "linear":
+            extra = f"/{self.block_size}" if self.granularity == "per_block" else ""
+            return f"linear int{self.nbits} {self.granularity}{extra}"
+        if self.method == "prune":
+            return f"prune {self.sparsity:.0%}"
+        return "float16"
 
 
 # Name fragments of peft's low-rank matrices once traced (``..._lora_A_default_weight``).
