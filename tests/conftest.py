@@ -20,16 +20,32 @@ from factories import FAMILIES, make_family_project  # noqa: E402
 DEFAULT_FAMILIES = ("llama", "qwen3")
 
 
-@pytest.fixture(scope="session", params=[f if f in DEFAULT_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
-def family_build(request, tmp_path_factory):
-    """(family, root, BuildResult): a float16 package per family with every FAMILY_ADAPTERS
-    function and the base, built and verified once for the whole session."""
+@pytest.fixture(scope="session")
+def family_builds(tmp_path_factory):
+    """family -> (family, root, BuildResult), each built on first use and kept for the session.
+    pytest holds one value of a parametrized fixture at a time, and a worker running whole files
+    switches family in every file that uses them: built in ``family_build`` itself, each family
+    was built again in each such file."""
     from adapterpack.assemble.pipeline import build
 
-    family = request.param
-    root = tmp_path_factory.mktemp(f"build-{family}")
-    manifest = make_family_project(root, family)
-    return family, root, build(manifest, output=root / "out.mlpackage")
+    built: dict[str, tuple] = {}
+
+    def of(family: str) -> tuple:
+        if family not in built:
+            root = tmp_path_factory.mktemp(f"build-{family}")
+            manifest = make_family_project(root, family)
+            built[family] = (family, root, build(manifest, output=root / "out.mlpackage"))
+        return built[family]
+
+    return of
+
+
+@pytest.fixture(scope="session", params=[f if f in DEFAULT_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+def family_build(request, family_builds):
+    """(family, root, BuildResult): a float16 package per family with every FAMILY_ADAPTERS
+    function and the base, built and verified once for the whole session. Shared: a test that
+    changes its files works on a copy."""
+    return family_builds(request.param)
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +70,23 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.other_families(param, values)``: a test parametrized over ``family_build``
+    and ``param`` runs every value on Llama, and only ``values`` on the other families (whose
+    programs hold other weights, not other ways to treat one). The rest are deselected, not
+    skipped: they are not tests of this suite."""
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("other_families")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if marker is not None and "family_build" in params:
+            param, values = marker.args
+            if params["family_build"] != "llama" and params[param] not in values:
+                dropped.append(item)
+                continue
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

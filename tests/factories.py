@@ -303,3 +303,14 @@ def load_script(name: str):
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
     return importlib.import_module(name)
+
+
+def copied_build(family_build: tuple, destination: Path) -> tuple:
+    """A session's shared family build (``conftest.family_build``) copied to ``destination``,
+    for a test that adds files to it (a tokenizer changes the text other tests' verify drives)."""
+    import dataclasses
+    import shutil
+
+    family, shared, result = family_build
+    shutil.copytree(shared, destination, symlinks=True, dirs_exist_ok=True)
+    return family, destination, dataclasses.replace(result, output=destination / result.output.relative_to(shared))

@@ -23,21 +23,27 @@ from factories import FAMILIES, make_family_project, tree_digest  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 RECORD = Path(__file__).resolve().parent / "package_digests.json"
 FORMATS = ("mlpackage", "aimodel")
-MODES = ("fuse", "keep")
-# Compression on the llama project beyond its float16 default: every method, and keep mode's
-# separately compressed LoRA matrices.
+# Every family's project already mixes LoRA modes (its `kept` adapter is kept, the others fused);
+# Llama's is also built with every adapter kept, and the demo with its zen skill kept.
+KEPT_PROJECTS = ("llama",)
+# Compression beyond the float16 default, on the Llama project: each adapter's function its own
+# method (per-adapter `compression`), the base and the rest palettized at 4 bits with the kept
+# LoRA matrices as int8, fused and kept.
 METHODS = {
-    "linear4": "{method: linear, nbits: 4, granularity: per_block, block_size: 32}",
-    "linear8": "{method: linear, nbits: 8, granularity: per_channel}",
-    "prune": "{method: prune, sparsity: 0.5}",
-    "palettize-lora8": "{method: palettize, nbits: 4}\nlora_compression: {method: linear, nbits: 8}",
+    "rs": "{method: linear, nbits: 4, granularity: per_block, block_size: 32}",
+    "mlp": "{method: linear, nbits: 8, granularity: per_channel}",
+    "all": "{method: prune, sparsity: 0.5}",
 }
+METHODS_DEFAULT = "{method: palettize, nbits: 4}\nlora_compression: {method: linear, nbits: 8}"
 
 
 def variants() -> list[str]:
-    names = [f"demo-{mode}-{fmt}" for mode in MODES for fmt in FORMATS]
-    names += [f"{family}-{mode}-{fmt}" for family in FAMILIES for mode in MODES for fmt in FORMATS]
-    names += [f"llama+{method}-{mode}-{fmt}" for method in METHODS for mode in MODES for fmt in FORMATS]
+    """``project-mode-format``: mode ``mixed`` is the project as written (some adapters fused,
+    some kept), ``keep`` every adapter kept."""
+    names = [f"demo-mixed-{fmt}" for fmt in FORMATS]
+    names += [f"{family}-mixed-{fmt}" for family in FAMILIES for fmt in FORMATS]
+    names += [f"{family}-keep-{fmt}" for family in KEPT_PROJECTS for fmt in FORMATS]
+    names += [f"llama+methods-{mode}-{fmt}" for mode in ("mixed", "keep") for fmt in FORMATS]
     return names
 
 
@@ -50,11 +56,12 @@ def manifest_of(variant: str, root: Path) -> Path:
         # records the base's path as written, so an absolute one would differ between checkouts.
         (root / "adapters").symlink_to(REPO / "adapters")
         (root / "manifests").mkdir()
-        text = re.sub(r"(?m)^(output|lora):.*\n", "", (REPO / "manifests" / "demo.yaml").read_text())
+        text = re.sub(r"(?m)^output:.*\n", "", (REPO / "manifests" / "demo.yaml").read_text())
+        text = text.replace("    path: ../adapters/demo/zen\n", "    path: ../adapters/demo/zen\n    lora: keep\n")
         manifest = root / "manifests" / "m.yaml"
-        manifest.write_text(text + f"lora: {mode}\n")
+        manifest.write_text(text)
         return manifest
-    family, _, method = project.partition("+")
+    family, _, methods = project.partition("+")
     manifest = make_family_project(root, family)
     # peft writes target_modules from a set, in the order of this process's string hashing: sorted,
     # the adapters (whose hashes the package records) have the same bytes in every process.
@@ -64,7 +71,12 @@ def manifest_of(variant: str, root: Path) -> Path:
             data["target_modules"] = sorted(data["target_modules"])
         config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     text = re.sub(r"(?m)^compression:.*\n", "", manifest.read_text())
-    text += f"lora: {mode}\ncompression: {METHODS[method] if method else '{method: none}'}\n"
+    if methods:
+        for name, compression in METHODS.items():
+            text = text.replace(f"    path: {name}\n", f"    path: {name}\n    compression: {compression}\n")
+    if mode == "keep":
+        text = re.sub(r"(?m)^    lora: .*\n", "", text) + "lora: keep\n"
+    text += f"compression: {METHODS_DEFAULT if methods else '{method: none}'}\n"
     manifest.write_text(text)
     return manifest
 

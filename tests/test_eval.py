@@ -33,8 +33,9 @@ def test_reference_perplexity_is_the_models_own_loss(family_build, tmp_path):
     import torch
 
     from adapterpack.verification.reference import reference_model
+    from factories import copied_build
 
-    family, root, result = family_build
+    family, root, result = copied_build(family_build, tmp_path / "build")
     _write_tokenizer(root / "base")
     checked = check_inputs(root / "m.yaml")
     text = tmp_path / "t.txt"

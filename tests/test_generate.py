@@ -72,10 +72,11 @@ def write_byte_level_tokenizer(folder: Path) -> None:
 
 
 @pytest.fixture
-def family_with_tokenizer(family_build):
-    """A family's float16 package, its tokenizer files written into the base folder (they do
-    not enter the base's content hash)."""
-    family, root, result = family_build
+def family_with_tokenizer(family_build, tmp_path):
+    """A copy of a family's float16 package, tokenizer files written into its base folder."""
+    from factories import copied_build
+
+    family, root, result = copied_build(family_build, tmp_path / "build")
     write_byte_level_tokenizer(root / "base")
     return family, root, result
 

@@ -96,6 +96,10 @@ def programs(family_build) -> dict[str, Path]:
     return {"base": template, "kept": kept_part}
 
 
+# Every setting on Llama's programs; the other families run one per method, each with per-layer
+# exceptions (their programs differ in which weights exist: grouped-query shapes, biases, q/k and
+# Gemma's norms, a tied vocabulary; the writer treats a weight the same whatever its family).
+@pytest.mark.other_families("setting", ("4-bit with per-layer exceptions", "linear int4 with per-layer exceptions"))
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("program", ["base", "kept"])
 def test_streamed_compression_equals_coremltools(programs, tmp_path, setting, program):

@@ -37,6 +37,20 @@ def model_sizes(config: dict) -> dict[str, int | None]:
     }
 
 
+def _asset_metadata(checked: CheckedInputs, records: list[PartRecord]) -> tuple[dict[str, str], str]:
+    """The asset's metadata and description: its functions' provenance, and what a ``.mlpackage``
+    would say in its program (the model's shape, for ``inspect``'s activations estimate; the
+    contract its functions follow)."""
+    metadata, description = metadata_of(records, library_versions(AIMODEL.libraries))
+    metadata[METADATA_PREFIX + "shape"] = strict_json(model_sizes(checked.base.config), sort_keys=True)
+    contract = checked.manifest.export.contract
+    if contract != "swift-transformers":
+        # How its functions are called: what verify, generate and eval drive them with (an asset
+        # without the key follows swift-transformers', as every asset did before).
+        metadata[CONTRACT_KEY] = contract
+    return metadata, description
+
+
 def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cache=None) -> list[FunctionProvenance]:
     """Write ``target`` (a ``.aimodel``): one entry point per function of ``checked``'s manifest."""
     from adapterpack.assemble.cache import FolderPalettes
@@ -86,13 +100,7 @@ def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cac
         del base, model
         gc.collect()
         log.debug("compressed weights: %d made, %d shared with an earlier function", weights.compressed_count, weights.reused_count)
-        metadata, description = metadata_of([records[name] for name in names], library_versions(AIMODEL.libraries))
-        # What `inspect` needs for the activations estimate, which a .mlpackage reads from its program.
-        metadata[METADATA_PREFIX + "shape"] = strict_json(model_sizes(checked.base.config), sort_keys=True)
-        if manifest.export.contract != "swift-transformers":
-            # How its functions are called: what verify, generate and eval drive them with (an
-            # asset without the key follows swift-transformers', as every asset did before).
-            metadata[CONTRACT_KEY] = manifest.export.contract
+        metadata, description = _asset_metadata(checked, [records[name] for name in names])
         with reporter.stage(f"convert {len(names)} function(s) to one Core AI program"):
             session.save(target, metadata=metadata, description=description)
     finally:

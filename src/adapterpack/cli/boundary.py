@@ -66,64 +66,70 @@ def _first_copy_error(error: OSError) -> OSError:
 
 
 @contextlib.contextmanager
-def error_boundary() -> Iterator[None]:
-    """Turn every failure into one line on stderr and a documented exit code."""
+def _ctrl_c_exits_130() -> Iterator[None]:
+    """Ctrl-C handled by ``_on_sigint`` while a command runs; the previous handler back after it
+    (a command run in a longer-lived process, the Python API's caller or a test runner, leaves
+    Ctrl-C as it found it)."""
     import signal
 
-    installed = False
     try:
         previous = signal.signal(signal.SIGINT, _on_sigint)
-        installed = True
     except ValueError:  # not the main thread (e.g. under a test runner's worker)
-        previous = None
+        yield
+        return
     try:
         yield
-    except AdapterpackError as error:
-        if _debug():
-            raise
-        if getattr(error, "report", None) is not None:
-            out.print(verify_table(error.report))
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-        raise typer.Exit(error.exit_code) from None
-    except KeyboardInterrupt:
-        err.print("interrupted", highlight=False)
-        raise typer.Exit(130) from None
-    except typer.Exit:
-        raise
-    except MemoryError:
-        err.print("[bold red]error:[/] out of memory", highlight=False)
-        raise typer.Exit(4) from None
-    except OSError as error:
-        if _debug():
-            raise
-        error = _first_copy_error(error)
-        code = getattr(error, "errno", None)
-        if code == errno.ENOSPC or "[Errno 28]" in str(error):
-            err.print(f"[bold red]error:[/] out of disk space: {error}", highlight=False, soft_wrap=True)
-            raise typer.Exit(4) from None
-        if code in _RESOURCE_ERRNOS or code in _INPUT_ERRNOS:
-            # The system's or the user's condition (a read-only or full disk, a path too long or
-            # not a folder), not a bug: the documented codes, with the path in the message.
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def error_boundary() -> Iterator[None]:
+    """Turn every failure into one line on stderr and a documented exit code."""
+    with _ctrl_c_exits_130():
+        try:
+            yield
+        except AdapterpackError as error:
+            if _debug():
+                raise
+            if getattr(error, "report", None) is not None:
+                out.print(verify_table(error.report))
             err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-            raise typer.Exit(4 if code in _RESOURCE_ERRNOS else 2) from None
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
-    except Exception as error:  # noqa: BLE001 - the one place that catches everything
-        if _interrupted:
+            raise typer.Exit(error.exit_code) from None
+        except KeyboardInterrupt:
             err.print("interrupted", highlight=False)
             raise typer.Exit(130) from None
-        if _debug():
+        except typer.Exit:
             raise
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        err.print(
-            f"[bold red]internal error:[/] {type(error).__name__}: {first} "
-            "(run with ADAPTERPACK_DEBUG=1 for the traceback)",
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(1) from None
-    finally:
-        # A command run inside a longer-lived process (the Python API's caller, a test runner)
-        # leaves Ctrl-C as it found it.
-        if installed:
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        except MemoryError:
+            err.print("[bold red]error:[/] out of memory", highlight=False)
+            raise typer.Exit(4) from None
+        except OSError as error:
+            if _debug():
+                raise
+            error = _first_copy_error(error)
+            code = getattr(error, "errno", None)
+            if code == errno.ENOSPC or "[Errno 28]" in str(error):
+                err.print(f"[bold red]error:[/] out of disk space: {error}", highlight=False, soft_wrap=True)
+                raise typer.Exit(4) from None
+            if code in _RESOURCE_ERRNOS or code in _INPUT_ERRNOS:
+                # The system's or the user's condition (a read-only or full disk, a path too long or
+                # not a folder), not a bug: the documented codes, with the path in the message.
+                err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+                raise typer.Exit(4 if code in _RESOURCE_ERRNOS else 2) from None
+            err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except Exception as error:  # noqa: BLE001 - the one place that catches everything
+            if _interrupted:
+                err.print("interrupted", highlight=False)
+                raise typer.Exit(130) from None
+            if _debug():
+                raise
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            err.print(
+                f"[bold red]internal error:[/] {type(error).__name__}: {first} "
+                "(run with ADAPTERPACK_DEBUG=1 for the traceback)",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(1) from None

@@ -92,6 +92,19 @@ def check_disk_space(folder: Path, needed: int) -> None:
         )
 
 
+def _check_outputs(
+    written: list[Path], out_dir: Path, checked, package_name: str, eval_text: Path | None, options: BuildOptions
+) -> None:
+    """Before any work: the release's files may be written (replacing earlier ones only with
+    ``--force``), and the disk holds what the build needs."""
+    check_release_targets(written, out_dir / f"{checked.manifest.name}.release", checked, package_name, eval_text, options)
+    existing = [t for t in written if t.exists() or t.is_symlink()]
+    if existing and not options.force:
+        raise OutputExists(f"{existing[0]} exists: pass --force to replace the release in {out_dir}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_disk_space(out_dir, required_disk_bytes(checked))
+
+
 def release(
     manifest,
     out_dir: str | Path,
@@ -113,13 +126,7 @@ def release(
     name = checked.manifest.name
     targets = [out_dir / f"{package_name}.zip", out_dir / BUILD_INFO, out_dir / SUMS]
     bundle_target = out_dir / name
-    written = [*targets, *([bundle_target] if bundle else [])]
-    check_release_targets(written, out_dir / f"{name}.release", checked, package_name, eval_text, options)
-    existing = [t for t in written if t.exists() or t.is_symlink()]
-    if existing and not options.force:
-        raise OutputExists(f"{existing[0]} exists: pass --force to replace the release in {out_dir}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    check_disk_space(out_dir, required_disk_bytes(checked))
+    _check_outputs([*targets, *([bundle_target] if bundle else [])], out_dir, checked, package_name, eval_text, options)
 
     with Staging(out_dir / f"{name}.release") as staging:
         package = staging.folder / package_name
