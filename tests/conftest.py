@@ -1,3 +1,5 @@
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -20,21 +22,42 @@ from factories import FAMILIES, make_family_project  # noqa: E402
 DEFAULT_FAMILIES = ("llama", "qwen3")
 
 
+@contextlib.contextmanager
+def shared_folder(tmp_path_factory, name: str):
+    """(folder, whether an earlier holder made it): a folder every worker of this run shares, held
+    by one worker at a time (one process without pytest-xdist: its own). The first holder builds
+    into it; the others build again with its build cache, which reuses every function."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with FileLock(f"{folder}.lock"):
+        made = (folder / ".made").exists()
+        folder.mkdir(exist_ok=True)
+        yield folder, made
+        (folder / ".made").touch()
+
+
+def _worker() -> str:
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
 @pytest.fixture(scope="session")
 def family_builds(tmp_path_factory):
-    """family -> (family, root, BuildResult), each built on first use and kept for the session.
-    pytest holds one value of a parametrized fixture at a time, and a worker running whole files
-    switches family in every file that uses them: built in ``family_build`` itself, each family
-    was built again in each such file."""
+    """family -> (family, root, BuildResult), each built on first use and kept for the session,
+    its project and build cache shared by the run's workers. pytest holds one value of a
+    parametrized fixture at a time, and a worker running whole files switches family in every
+    file that uses them: built in ``family_build`` itself, each family was built again in each
+    such file."""
     from adapterpack.assemble.pipeline import build
 
     built: dict[str, tuple] = {}
 
     def of(family: str) -> tuple:
         if family not in built:
-            root = tmp_path_factory.mktemp(f"build-{family}")
-            manifest = make_family_project(root, family)
-            built[family] = (family, root, build(manifest, output=root / "out.mlpackage"))
+            with shared_folder(tmp_path_factory, f"build-{family}") as (root, made):
+                manifest = root / "m.yaml" if made else make_family_project(root, family)
+                built[family] = (family, root, build(manifest, output=root / f"out-{_worker()}.mlpackage"))
         return built[family]
 
     return of
@@ -51,12 +74,14 @@ def family_build(request, family_builds):
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
     """The shipped demo (manifests/demo.yaml), built and verified once for the session, by the
-    public Python API."""
+    public Python API (its build cache shared by the run's workers)."""
     import adapterpack as ap
 
-    out = tmp_path_factory.mktemp("demo")
     manifest = Path(__file__).resolve().parents[1] / "manifests" / "demo.yaml"
-    return ap.build(manifest, output=out / "demo.mlpackage", options=ap.BuildOptions(cache_dir=out / "cache"))
+    with shared_folder(tmp_path_factory, "demo") as (shared, _):
+        # SHARED/WORKER/demo.mlpackage, its cache SHARED/cache
+        output = shared / _worker() / "demo.mlpackage"
+        return ap.build(manifest, output=output, options=ap.BuildOptions(cache_dir=shared / "cache"))
 
 
 def pytest_configure(config):

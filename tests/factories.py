@@ -314,3 +314,8 @@ def copied_build(family_build: tuple, destination: Path) -> tuple:
     family, shared, result = family_build
     shutil.copytree(shared, destination, symlinks=True, dirs_exist_ok=True)
     return family, destination, dataclasses.replace(result, output=destination / result.output.relative_to(shared))
+
+
+def demo_cache(demo) -> Path:
+    """The build cache of the session's demo build (``conftest.demo``), shared by the workers."""
+    return demo.output.parent.parent / "cache"

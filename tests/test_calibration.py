@@ -19,7 +19,7 @@ from adapterpack.assemble.cache import FolderPalettes
 from adapterpack.assemble.records import Reporter
 from adapterpack.compress.importance import ChannelImportance
 from adapterpack.inputs.checked import check_inputs
-from factories import invoke_cli
+from factories import demo_cache, invoke_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "adapters" / "demo"
@@ -129,7 +129,7 @@ def test_auto_records_its_choice_and_figures(demo):
         assert name == "base" or min(figures["retention"], figures["seeded_retention"]) >= 0.9
         assert "data-aware" in recorded["compression"]
         assert ("layer" in recorded["compression"]) == (figures["exceptions"] > 0)
-    cache = demo.output.parent / "cache"
+    cache = demo_cache(demo)
     assert any((cache / "calibration").glob("*/auto.json"))
 
 

@@ -12,6 +12,7 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.verification.executor import ProgramExecutor
+from factories import demo_cache
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "manifests" / "demo.yaml"
@@ -63,7 +64,7 @@ def test_the_python_api_builds_the_demo_from_its_manifest(demo, tmp_path):
     (tmp_path / "manifests").mkdir()
     shutil.copy(DEMO, tmp_path / "manifests" / "demo.yaml")
     (tmp_path / "adapters").symlink_to(REPO / "adapters")
-    shutil.copytree(demo.output.parent / "cache", tmp_path / "build" / ".adapterpack-cache")
+    shutil.copytree(demo_cache(demo), tmp_path / "build" / ".adapterpack-cache")
     script = (
         "import adapterpack as ap; r = ap.build('manifests/demo.yaml'); "
         "print(r.output.name, len(r.reused), r.verify_report.passed, [f.name for f in r.verify_report.functions])"

@@ -292,7 +292,10 @@ def test_release_refuses_a_broken_tokenizer_and_an_out_dir_that_is_a_file(tmp_pa
     assert (tmp_path / "file").read_text() == "x"
 
 
-@pytest.mark.parametrize("points", [1, pytest.param(3, marks=pytest.mark.slow, id="at-length")])
+# In the slow step only (about 80 s a point under the trace hook): the default run's fault test is
+# test_hostile_outputs' on the cache's writer.
+@pytest.mark.slow
+@pytest.mark.parametrize("points", [pytest.param(3, id="at-length")])
 def test_a_fault_at_a_random_point_of_a_build_is_one_line_exit_1_and_the_previous_output_survives(project, tmp_path, monkeypatch, points):
     """A RuntimeError raised inside any adapterpack function a build calls (seeded random points
     over the whole build: checks, conversion, compression, merge, staging), in a process of its
