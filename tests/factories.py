@@ -312,8 +312,17 @@ def copied_build(family_build: tuple, destination: Path) -> tuple:
     import shutil
 
     family, shared, result = family_build
-    shutil.copytree(shared, destination, symlinks=True, dirs_exist_ok=True)
-    return family, destination, dataclasses.replace(result, output=destination / result.output.relative_to(shared))
+    output = destination / result.output.relative_to(shared)
+
+    def project_only(folder: str, names: list[str]) -> list[str]:
+        # The project's inputs and this worker's package: not the build cache, nor what another
+        # worker may be writing into the shared folder at this moment (its package, its staging).
+        if Path(folder) != shared:
+            return []
+        return [name for name in names if name.startswith(".") or (name.startswith("out-") and name != output.name)]
+
+    shutil.copytree(shared, destination, symlinks=True, dirs_exist_ok=True, ignore=project_only)
+    return family, destination, dataclasses.replace(result, output=output)
 
 
 def demo_cache(demo) -> Path:
