@@ -15,7 +15,9 @@ Compressions ending in ``-data-aware`` are what a build with calibration text ma
 weighted by the activations of the manifest's calibration texts (``compress.importance``), their
 entries chosen with error compensation (``compress.compensation``), and linear int4 integers
 chosen with it at coremltools' scales (``compress.quantize``); ``-weighted`` ones are the
-same palettes with each weight's nearest entry (weighting alone); ``auto`` is what ``compression: auto`` chooses per
+same palettes with each weight's nearest entry (weighting alone); ``-self`` ones are what a
+build without calibration text makes (the same, on text the base writes itself:
+``assemble.calibration``); the other labels use no statistics at all; ``auto`` is what ``compression: auto`` chooses per
 function (data-aware, its default targets or ``--auto-ratio``/``--auto-retention``).
 ``palettize-4-channel-scale`` and ``palettize-4-outliers`` are forms a build does not write,
 emulated to compare them with what it does (``EMULATED``). With
@@ -61,6 +63,9 @@ COMPRESSIONS = {
     "palettize-4-channel-scale": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
     "palettize-4-outliers": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
     "linear-4-block32-data-aware": {"method": "linear", "nbits": 4, "granularity": "per_block", "block_size": 32},
+    "palettize-4-group1-self": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 1},
+    "palettize-4-self": {"method": "palettize", "nbits": 4, "granularity": "per_grouped_channel", "group_size": 16},
+    "linear-4-block32-self": {"method": "linear", "nbits": 4, "granularity": "per_block", "block_size": 32},
 }
 # Data-free forms compared for the default that builds do not write, emulated here on the
 # palettes of groups of 16: coremltools' per-channel scale before clustering
@@ -308,11 +313,14 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
         return texts / f"{function}.txt" if texts.is_dir() else texts
 
     results: dict = {"manifest": str(manifest), "text": str(texts), "window": window, "functions": {}, "tokens": {}}
-    importance = None
+    importance = own_text = None
+    # the statistics a palettizing build of this manifest weighs by, whatever it compresses with
+    palettized = replace(checked, manifest=checked.manifest.model_copy(update={"compression": Compression(method="palettize")}))
     if any(label.endswith(("data-aware", "weighted", "auto")) for label in compressions):
-        # the statistics a palettizing build of this manifest weighs by, whatever it compresses with
-        palettized = checked.manifest.model_copy(update={"compression": Compression(method="palettize")})
-        importance = channel_importance(replace(checked, manifest=palettized), Reporter())
+        importance = channel_importance(palettized, Reporter())
+    if any(label.endswith("self") for label in compressions):
+        # what a build of it without calibration text weighs by: text the base writes
+        own_text = channel_importance(replace(palettized, calibration={}), Reporter())
     settings = {label: chosen(checked, label, auto_targets) for label in compressions}
     base = load_base(checked.base.folder, dtype="float32").eval()
     for function in names:
@@ -325,7 +333,7 @@ def run(manifest: Path, texts, functions: list[str] | None, compressions: list[s
             rows = {}
             for label in compressions:
                 compression = settings[label][function]
-                weighted = importance if label.endswith(("data-aware", "auto")) else None
+                weighted = importance if label.endswith(("data-aware", "auto")) else own_text if label.endswith("self") else None
                 if label.endswith("weighted"):
                     # the same statistics, no Gram matrices: nearest entries
                     weighted = ChannelImportance(importance.energies)

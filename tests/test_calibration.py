@@ -189,7 +189,7 @@ def test_int4_linear_with_calibration_text_is_error_compensated(tmp_path, monkey
     coremltools' scales: the fused skill is still patched into the compressed base (one whole
     program compressed), and on held-out text, executing each package's ML Program, the skill
     keeps more of what its adapter does and agrees more often with its float reference than the
-    same build without calibration text. (Its perplexity ratio is within 1% of 1 either way on
+    same build with no statistics at all. (Its perplexity ratio is within 1% of 1 either way on
     this small model: on a real checkpoint, docs/compression.md.)"""
     import adapterpack.compress.model
     from adapterpack.assemble.pipeline import build
@@ -208,14 +208,103 @@ def test_int4_linear_with_calibration_text_is_error_compensated(tmp_path, monkey
         root = tmp_path / label
         root.mkdir()
         manifest = _manifest(root, DEMO / "base", adapters=("code",), compression="{method: linear, nbits: 4}")
-        if label == "data-free":
-            text = manifest.read_text().replace(f", calibration: {DEMO / 'calibration' / 'base.txt'}", "")
-            manifest.write_text(text.replace(f", calibration: {DEMO / 'calibration' / 'code'}.txt", ""))
         compressed.clear()
-        result = build(manifest, output=root / "p.mlpackage", options=BuildOptions(verify=False))
+        with pytest.MonkeyPatch.context() as patch:
+            if label == "data-free":
+                _without_statistics(patch)
+            result = build(manifest, output=root / "p.mlpackage", options=BuildOptions(verify=False))
         assert len(compressed) == 1, compressed  # the base, once: the skill is patched into it
         ran = invoke_cli("eval", result.output, "--text", DEMO / "heldout.txt", "--manifest", manifest, "--function", "code", "--json")
         assert ran.returncode == 0, ran.stdout + ran.stderr
         (figures[label],) = [f for f in json.loads(ran.stdout)["functions"] if f["function"] == "code"]
     assert figures["data-aware"]["retention"] > figures["data-free"]["retention"], figures
     assert figures["data-aware"]["top1_agreement"] > figures["data-free"]["top1_agreement"], figures
+
+
+def test_a_base_writes_the_same_calibration_texts_for_a_seed_and_leaves_the_random_state_alone():
+    """What a manifest without calibration text is calibrated on: ``count`` texts of ``tokens``
+    ids each after the begin-of-text token, the same for a seed (palettes, and so packages, are
+    reproducible), other texts for another seed, and the caller's torch random stream as it was."""
+    import torch
+
+    from adapterpack.convert.base_model import load_base
+    from adapterpack.convert.calibration import generated_texts
+
+    base = load_base(DEMO / "base")
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    texts = generated_texts(base, count=3, tokens=20, seed=0)
+    assert torch.equal(torch.rand(3), expected_next)
+    assert [len(ids) for ids in texts] == [20, 20, 20]
+    start = base.config.bos_token_id if base.config.bos_token_id is not None else 0
+    assert all(ids[0] == start for ids in texts)
+    assert len({tuple(ids) for ids in texts}) == 3  # sampled, not greedy: the texts differ
+    assert generated_texts(base, count=3, tokens=20, seed=0) == texts
+    assert generated_texts(base, count=3, tokens=20, seed=1) != texts
+
+
+def test_a_manifest_without_calibration_text_is_calibrated_on_text_its_base_writes(tmp_path, monkeypatch):
+    """Without calibration text the palettes are weighted by the activations of text the base
+    writes (the report says so), written once and kept in the build cache: a rebuild that needs
+    the statistics again reads them there instead of having the base write again. The palettes
+    differ from unweighted ones, and the skill keeps more of its change than with none on
+    held-out text, executing each package's ML Program."""
+    import adapterpack.assemble.calibration as calibration
+    import adapterpack.convert.calibration
+    from adapterpack.assemble.pipeline import build
+    from adapterpack.assemble.records import BuildOptions
+
+    written = []
+    generated_texts = adapterpack.convert.calibration.generated_texts
+
+    def counted(*args, **kwargs):
+        written.append(args)
+        return generated_texts(*args, **kwargs)
+
+    monkeypatch.setattr(adapterpack.convert.calibration, "generated_texts", counted)
+    monkeypatch.setattr(calibration, "_GENERATED", {})
+    monkeypatch.setattr(calibration, "_LAST_MEASURED", {})
+    manifest = _manifest(tmp_path, DEMO / "base", adapters=("code",), compression="{method: palettize, nbits: 4}")
+    text = manifest.read_text().replace(f", calibration: {DEMO / 'calibration' / 'base.txt'}", "")
+    manifest.write_text(text.replace(f", calibration: {DEMO / 'calibration' / 'code'}.txt", ""))
+    cache = tmp_path / "cache"
+    options = BuildOptions(verify=False, cache_dir=cache)
+    result = build(manifest, output=tmp_path / "p.mlpackage", options=options)
+    assert len(written) == 1
+    assert all("calibrated on the base's own text" in f.compression for f in result.functions), result.functions
+    assert list(cache.glob("calibration/*/generated.npy")), "the written texts are not in the build cache"
+
+    # the statistics and palettes again, from nothing but the cache's copy of the texts
+    shutil.rmtree(cache / "palettes", ignore_errors=True)
+    shutil.rmtree(cache / "parts", ignore_errors=True)
+    monkeypatch.setattr(calibration, "_GENERATED", {})
+    monkeypatch.setattr(calibration, "_LAST_MEASURED", {})
+    again = build(manifest, output=tmp_path / "q.mlpackage", options=options)
+    assert len(written) == 1, "the base wrote its texts again"
+    assert _weights_digest(again.output) == _weights_digest(result.output)
+
+    # against the same build with no statistics at all
+    _without_statistics(monkeypatch)
+    unweighted = build(manifest, output=tmp_path / "u.mlpackage", options=BuildOptions(verify=False))
+    figures = {}
+    for label, package in (("own text", result.output), ("none", unweighted.output)):
+        ran = invoke_cli("eval", package, "--text", DEMO / "heldout.txt", "--manifest", manifest, "--function", "code", "--json")
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        (figures[label],) = [f for f in json.loads(ran.stdout)["functions"] if f["function"] == "code"]
+    assert figures["own text"]["retention"] > figures["none"]["retention"], figures
+
+
+def _weights_digest(package: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").read_bytes()).hexdigest()
+
+
+def _without_statistics(patch) -> None:
+    """Builds made while ``patch`` holds palettize and quantize with no activation statistics
+    (what a manifest without calibration text got before the base wrote its own)."""
+    import adapterpack.assemble.builder
+
+    patch.setattr(adapterpack.assemble.builder, "channel_importance", lambda *args, **kwargs: None)
+    patch.setattr(adapterpack.assemble.builder, "calibration_key", lambda *args, **kwargs: None)

@@ -197,29 +197,34 @@ def test_real_gemma3_aimodel_is_exact_and_continues_as_its_reference(gemma3_base
 
 
 @pytest.mark.slow
-def test_real_gemma3_at_4_bits_with_calibration_text_keeps_its_skill(gemma3_base, tmp_path):
-    """4-bit palettes weighted by the calibration texts' activations (as manifests/
-    gemma3-q4-calibrated.yaml): verify's quality verdict passes where the data-free 4-bit
-    default's is refused (retention 0.65 < 0.75; docs/models.md, Gemma 3), and the skill still answers
-    in lines."""
+@pytest.mark.parametrize("texts", ["named", "none"], ids=["its-calibration-texts", "no-calibration-text"])
+def test_real_gemma3_at_4_bits_keeps_its_skill(gemma3_base, tmp_path, texts):
+    """4-bit palettes weighted by the activations of calibration text, the manifest's own (as
+    manifests/gemma3-q4-calibrated.yaml) or, where it names none, text the base writes itself
+    (manifests/gemma3-q4.yaml, the default): verify's quality verdict passes where unweighted
+    palettes are refused (retention 0.65 < 0.75; docs/models.md, Gemma 3), and the skill still
+    answers in lines."""
     from adapterpack.assemble.pipeline import build
     from adapterpack.assemble.records import BuildOptions
     from adapterpack.evaluate.generate import generate
     from adapterpack.inputs.checked import check_inputs
 
-    texts = REPO / "adapters" / "gemma3" / "calibration"
+    folder = REPO / "adapters" / "gemma3" / "calibration"
+    base_text, skill_text = (f", calibration: {folder / 'base.txt'}", f", calibration: {folder / 'haiku.txt'}") if texts == "named" else ("", "")
     manifest = tmp_path / "m.yaml"
     manifest.write_text(
-        f"name: gemma3\nbase: {{path: {gemma3_base}, tokenizer: google/gemma-3-270m, calibration: {texts / 'base.txt'}}}\n"
-        f"adapters:\n  - {{name: haiku, path: {REPO / 'adapters' / 'gemma3' / 'haiku'}, calibration: {texts / 'haiku.txt'}}}\n"
+        f"name: gemma3\nbase: {{path: {gemma3_base}, tokenizer: google/gemma-3-270m{base_text}}}\n"
+        f"adapters:\n  - {{name: haiku, path: {REPO / 'adapters' / 'gemma3' / 'haiku'}{skill_text}}}\n"
         "export: {max_context: 160}\ncompression: {method: palettize, nbits: 4}\n"
     )
     result = build(manifest, output=tmp_path / "g.mlpackage", options=BuildOptions(use_cache=False))
     report = result.verify_report
     assert report.passed, report.verdict()
     (haiku,) = report.functions
-    # at 160 tokens here: 1.007x and 0.923 (README); without the texts 0.65
-    assert haiku.retention >= 0.8 and haiku.quality["perplexity_ratio"] <= 1.2, haiku
+    # at 160 tokens here (docs/models.md): its texts 1.007x and 0.923; none 1.061x and 0.755;
+    # unweighted 1.199x and 0.653
+    assert haiku.retention >= (0.8 if texts == "named" else 0.75), haiku
+    assert haiku.quality["perplexity_ratio"] <= (1.2 if texts == "named" else 1.1), haiku
     run = generate(result.output, "haiku", "Write a haiku about a harbor at dawn.\n", max_new_tokens=32, checked=check_inputs(manifest))
     assert run.text.count("\n") >= 2, run.text
 

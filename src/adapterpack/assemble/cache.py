@@ -80,7 +80,7 @@ KINDS = {
     "bases": "the base converted once, uncompressed or compressed",
     "palettes": "a weight's palettes (4-bit etc.), reused when it is palettized again",
     "checks": "the base's largest weight magnitudes (the float16 range check)",
-    "calibration": "activation statistics of the calibration texts (data-aware palettes)",
+    "calibration": "activation statistics of the calibration texts (data-aware palettes), or the texts the base wrote",
     "verdicts": "a passing verification, for the exact bytes it was given",
 }
 

@@ -83,9 +83,7 @@ def disk_needs(checked) -> DiskNeeds:
     # The uncompressed base is deleted once the compressed one is made, unless a function is
     # made from it (assemble.builder): then it is there only while the base is compressed.
     uncompressed = model if any(c.method == "none" for c in compressions) else 0.0
-    kept_values = any(c.method == "palettize" for c in compressions) or (
-        bool(checked.calibration) and any(c.uses_calibration() for c in compressions)
-    )
+    kept_values = any(c.method == "palettize" or c.uses_calibration() for c in compressions)
     palettes = PALETTE_SHARE * model if kept_values else 0.0
     parts = package = 0.0
     for name in manifest.function_names:

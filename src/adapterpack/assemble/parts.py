@@ -70,7 +70,7 @@ class PartRecord:
     deployment_target: str
     versions: dict[str, str]
     format: int = PART_FORMAT
-    # digest of the calibration its palettes are weighted by (assemble.calibration); None: data-free
+    # digest of the calibration its palettes are weighted by (assemble.calibration); None: unweighted
     calibration: str | None = None
     # what compression auto measured for the choice (assemble.auto.AutoChoice.as_metadata)
     auto: dict | None = None
@@ -95,7 +95,9 @@ class PartRecord:
             adapter_sha256=info.content_hash if info is not None else None,
             lora=mode,
             scale=float(adapter.scale) if adapter is not None else None,
-            compression=compression.describe() + (", data-aware" if calibration else ""),
+            compression=compression.describe() + (
+                "" if not calibration else ", data-aware" if checked.calibration else ", calibrated on the base's own text"
+            ),
             compression_settings=compression.model_dump(mode="json"),
             lora_compression=manifest.lora_compression.model_dump(mode="json") if mode == "keep" else None,
             base=BaseSource(

@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 PALETTIZE_NBITS = (1, 2, 3, 4, 6, 8)
 LINEAR_NBITS = (4, 8)
 # An unset palettization group_size: one palette per 16 output channels. At 4 bits or fewer in a
-# manifest without calibration text, one per output channel instead: there the palettes cannot be
-# weighted by activations, and per 16 channels they do not keep a real checkpoint (SmolLM2-135M
-# at 4 bits: 5.2x perplexity in groups of 16, 1.29x per channel for 4% more bytes; docs/compression.md).
+# manifest without calibration text, one per output channel instead: chosen when such palettes
+# had no activation statistics to weigh by (SmolLM2-135M at 4 bits: 5.2x perplexity in groups of
+# 16, 1.29x per channel for 4% more bytes), and measured on Gemma 3 270M since they are weighted
+# by text the base writes (assemble.calibration; docs/compression.md).
 DEFAULT_GROUP_SIZE = 16
 DATA_FREE_GROUP_SIZE = 1
 DATA_FREE_GROUP_SIZE_MAX_NBITS = 4

@@ -44,7 +44,8 @@ class Base(Strict):
     calibration: StrictStr | None = Field(
         default=None,
         description="Text file (relative to the manifest) of what the base is used for: palettes are weighted by the "
-        "activations it causes, and `compression.auto` measures the base function on it",
+        "activations it causes, and `compression.auto` measures the base function on it. Where the manifest names no "
+        "calibration text, the base writes its own to weigh by",
     )
 
     @field_validator("path")
