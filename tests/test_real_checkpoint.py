@@ -124,8 +124,8 @@ def test_each_skill_answers_a_chat_as_its_reference_does(smollm2_float16, functi
 @pytest.mark.slow
 def test_a_4_bit_package_without_calibration_text_is_exact_and_its_quality_is_judged_on_real_text(smollm2_base, tmp_path):
     """The 4-bit default without calibration text (one palette per output channel, weighted by
-    text the base writes), both skills fused and the base: exact against its own palettized weights under all four drives (random ids and
-    real text through the chat template, both conventions), whatever 4 bits cost; quality
+    text the base writes), both skills fused and the base: exact against its own palettized
+    weights under all four drives (random ids and real text through the chat template, both conventions), whatever 4 bits cost; quality
     measured on real text, and the verdict is what the documented thresholds make of it."""
     from adapterpack.config.manifest import load_manifest
     from adapterpack.verification.package import verify_package
