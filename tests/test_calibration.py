@@ -50,6 +50,25 @@ def test_a_round_measures_again_only_the_functions_its_moves_reach():
     assert reached([]) == []
 
 
+def test_a_choice_that_misses_on_verify_text_does_not_meet_its_targets():
+    """Met on the whole calibration text is not enough: verify's quality verdict scores the start
+    of the text an app sends, by its own thresholds (agreement included), and so does auto."""
+    from adapterpack.assemble.auto import _Figures, _Function, _Search
+    from adapterpack.config.compression import Compression
+
+    start = Compression.model_validate({"method": "palettize", "nbits": 4, "auto": {}})
+    function = _Function("haiku", start, [1, 2])
+    function.thresholds = {"perplexity_ratio": 1.05, "agreement": 0.5, "retention": 0.9}
+    search = _Search.__new__(_Search)
+    on_text = {"perplexity_ratio": 1.02, "agreement": 0.9, "retention": 0.95}
+    assert search._meets(function, _Figures(1.03, 0.95, 0.95, on_text))
+    assert search._meets(function, _Figures(1.03, 0.95, 0.95, None))  # no real text (no tokenizer)
+    for miss in ({"perplexity_ratio": 1.241}, {"agreement": 0.4}, {"retention": 0.8}):
+        assert not search._meets(function, _Figures(1.03, 0.95, 0.95, on_text | miss)), miss
+    assert not search._meets(function, _Figures(1.06, 0.95, 0.95, on_text))
+    assert not search._meets(function, _Figures(1.03, 0.95, 0.85, on_text))
+
+
 def test_importance_resolves_every_name_a_build_meets():
     energies = {f"model.layers.{i}.mlp.down_proj": np.full(4, float(i + 1)) for i in (1, 11)}
     importance = ChannelImportance(energies)
@@ -115,6 +134,32 @@ def test_auto_gives_more_bits_to_a_layer_made_sensitive(tmp_path, monkeypatch):
         assert choice.met and choice.perplexity_ratio <= 1.01 and choice.retention is None
 
 
+def test_auto_keeps_the_function_s_own_exceptions_and_measures_what_they_give(tmp_path):
+    """A per-layer exception the function already has (a manifest's, or a large vocabulary's 8
+    bits) is how the package stores that layer: auto measures it so, never moves it, and the
+    chosen compression still holds it, first."""
+    fixed = "model.layers.0.mlp.down_proj"
+    compression = f"{{auto: {{max_perplexity_ratio: 1.01}}, layers: {{{fixed}: {{nbits: 8}}}}}}"
+    choice = _choice(tmp_path, DEMO / "base", compression)
+    assert choice.met
+    pattern, setting = choice.compression.layers[0]
+    assert (pattern, setting.nbits, setting.method) == (fixed, 8, "palettize")
+    assert [p for p, _ in choice.compression.layers].count(fixed) == 1
+
+
+def test_a_tied_output_head_is_chosen_under_the_embedding_s_name(tmp_path):
+    """A tied head is stored once, as the embedding: auto names (and clusters) it so."""
+    from transformers import AutoModelForCausalLM
+
+    from adapterpack.assemble.auto import _stored_names
+    from factories import make_base
+
+    tied = AutoModelForCausalLM.from_pretrained(make_base(tmp_path / "tied", "llama"))
+    untied = AutoModelForCausalLM.from_pretrained(make_base(tmp_path / "untied", "mistral"))
+    assert _stored_names(tied) == {"lm_head": "model.embed_tokens"}
+    assert _stored_names(untied) == {}
+
+
 def test_auto_records_its_choice_and_figures(demo):
     """The shipped demo is built under ``compression: auto`` (manifests/demo.yaml)."""
     from adapterpack.formats.metadata import METADATA_PREFIX
@@ -127,6 +172,10 @@ def test_auto_records_its_choice_and_figures(demo):
         assert figures["met"] and figures["perplexity_ratio"] <= 1.05 and figures["max_perplexity_ratio"] == 1.05
         assert (figures["retention"] is None) == (figures["seeded_retention"] is None) == (name == "base")
         assert name == "base" or min(figures["retention"], figures["seeded_retention"]) >= 0.9
+        # judged as verify judges it too: on verify's real text, by verify's thresholds
+        on_text = figures["on_verify_text"]
+        assert on_text["perplexity_ratio"] <= 1.05 and on_text["agreement"] >= 0.5, on_text
+        assert (on_text["retention"] is None) == (name == "base") and (name == "base" or on_text["retention"] >= 0.9)
         assert "data-aware" in recorded["compression"]
         assert ("layer" in recorded["compression"]) == (figures["exceptions"] > 0)
     cache = demo_cache(demo)

@@ -306,6 +306,13 @@ def _rule(
     return pattern, setting
 
 
+def exception_pattern(
+    name: str, shape: tuple[int, ...], compression: Compression, lora_compression: Compression | None = None
+) -> str | None:
+    """The pattern of ``compression.layers`` that decides weight ``name`` of ``shape``, or None."""
+    return _rule(name, shape, compression, lora_compression)[0]
+
+
 def exception_matches(weights: dict[str, tuple[int, ...]], compression: Compression) -> dict[str, list[str]]:
     """{pattern of ``compression.layers``: the weights (name -> shape) it decides}, every pattern
     listed: one that decides none (a typo, a weight kept float16 anyway, shadowed by an earlier
