@@ -52,8 +52,8 @@ from adapterpack.inputs.checked import CheckedInputs
 log = logging.getLogger(__name__)
 
 # Bump when the search changes, so choices cached by an older version are made again.
-# 4: judged on verify's real text by verify's thresholds too.
-AUTO_VERSION = 4
+# 5: judged on verify's real text by verify's thresholds, against verify's references, too.
+AUTO_VERSION = 5
 # Tokens of each function's calibration text it is measured on (a bound on the search's time).
 AUTO_TOKENS = 1024
 # Share of the candidates' remaining error moved up a step per round.
@@ -139,8 +139,8 @@ class _Function:
     seeded_ids: list[int] = field(default_factory=list)  # verify's token ids
     seeded_base_logits: np.ndarray | None = None  # as base_logits and effect, on seeded_ids
     seeded_effect: np.ndarray | None = None
-    # the real text verify's quality verdict scores, its uncompressed logits (float32, as verify's
-    # reference), the base's there (adapters only), and verify's thresholds for the function
+    # the real text verify's quality verdict scores, verify's references there (the function's,
+    # and the base's for an adapter), and verify's thresholds for the function
     verify_ids: list[int] = field(default_factory=list)
     verify_reference: np.ndarray | None = None
     verify_base: np.ndarray | None = None
@@ -298,9 +298,7 @@ class _Search:
             self.base_weights = {name: module.weight.detach().clone() for name, module in self._layers(base).items()}
             seeded = self._seeded_ids(base)
             verify_text = self._verify_text()
-            functions = [
-                self._prepare(base, name, ids[name][:AUTO_TOKENS], seeded, verify_text.get(name, [])) for name in self.names
-            ]
+            functions = [self._prepare(base, name, ids[name][:AUTO_TOKENS], seeded, verify_text) for name in self.names]
         figures: dict[str, _Figures] = {}
         moved: list[tuple[str, str]] = []
         for round_number in range(1, MAX_ROUNDS + 1):
@@ -411,15 +409,28 @@ class _Search:
         tokens = verification_tokens(int(base.config.vocab_size), self.manifest.verify)
         return [int(token) for token in tokens[: self.manifest.export.max_context - 1]]
 
-    def _verify_text(self) -> dict[str, list[int]]:
-        """By function: the real-text token ids verify's quality verdict scores it on (none when
-        the base has no tokenizer)."""
+    def _verify_text(self) -> dict[str, tuple[list[int], np.ndarray, np.ndarray | None]]:
+        """By function: the real-text token ids verify's quality verdict scores it on, and verify's
+        own references there (``verification.reference``: the base at its stored precision,
+        which a float32 checkpoint's float16 copy is not), the function's and the base's (None
+        for the base function); none when the base has no tokenizer."""
+        from adapterpack.verification.reference import reference_logits
         from adapterpack.verification.texts import verify_tokens
 
-        found = verify_tokens(self.checked, list(self.manifest.function_names))
-        return {name: [int(token) for token in ids] for name, ids in found.text.items()}
+        tokens = verify_tokens(self.checked, list(self.manifest.function_names))
+        if not tokens.text:
+            return {}
+        references = reference_logits(self.checked, self.names, tokens)
+        return {
+            name: (
+                [int(token) for token in tokens.text[name]],
+                references.text[name],
+                references.base_text[name] if self.manifest.adapter(name) is not None else None,
+            )
+            for name in self.names
+        }
 
-    def _prepare(self, base, name: str, ids: list[int], seeded_ids: list[int], verify_ids: list[int]) -> _Function:
+    def _prepare(self, base, name: str, ids: list[int], seeded_ids: list[int], verify_text: dict) -> _Function:
         import torch
 
         from adapterpack.config.compression import exception_pattern, weight_setting
@@ -428,15 +439,15 @@ class _Search:
         if len(ids) < 2:
             raise BadInput(f"{self.checked.calibration[name].path}: a calibration text needs at least 2 tokens")
         start = self.manifest.compression_for(name)
-        function = _Function(name, start, ids, seeded_ids=seeded_ids, verify_ids=verify_ids)
+        function = _Function(name, start, ids, seeded_ids=seeded_ids)
+        if name in verify_text:
+            function.verify_ids, function.verify_reference, function.verify_base = verify_text[name]
         function.thresholds = self.manifest.verify.thresholds_for(start)
         self.ladders[name] = ladder(start)
         with torch.no_grad(), computed_in_float32(base):
             is_adapter = self.manifest.adapter(name) is not None
             base_logits = self._logits(base, ids) if is_adapter else None
             seeded_base_logits = self._seeded_logits(base, seeded_ids) if is_adapter else None
-            if is_adapter and len(verify_ids) > 1:
-                function.verify_base = self._seeded_logits(base, verify_ids)
             with self._applied(base, name) as model:
                 layers = self._layers(model)
                 self.stored_as = _stored_names(model)
@@ -460,8 +471,6 @@ class _Search:
                     self.fused[name] = {layer: layers[layer].weight.detach().clone() for layer in changed}
                 logits = self._logits(model, ids)
                 seeded_logits = self._seeded_logits(model, seeded_ids) if is_adapter else None
-                if len(verify_ids) > 1:
-                    function.verify_reference = self._seeded_logits(model, verify_ids)
         function.reference_nll = _nll(logits, ids)
         if is_adapter:
             function.base_logits = base_logits.astype(np.float16)
