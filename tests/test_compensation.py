@@ -79,6 +79,33 @@ def test_uncorrelated_inputs_leave_every_weight_at_its_nearest_entry():
     np.testing.assert_array_equal(compensated_indices(weight, luts, GROUP, gram), nearest)
 
 
+def test_nearest_entry_by_bisection_is_argmin_s_ties_and_duplicates_included():
+    """Large palettes find each weight's nearest entry in their sorted entries: the very index a
+    comparison with every entry takes, where two entries are equally near (the lower index) and
+    where a palette repeats a value (its first)."""
+    import torch
+
+    from adapterpack.compress.compensation import _SortedEntries
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        rows, entries = int(rng.integers(1, 40)), int(rng.choice([2, 64, 256]))
+        palettes = rng.standard_normal((rows, entries)).astype(np.float16).astype(np.float64)
+        if trial % 3 == 0:
+            palettes[:, ::3] = palettes[:, :1]  # repeated entries
+        if trial % 5 == 0:
+            palettes = np.round(palettes * 2) / 2  # many equal entries, values on their midpoints
+        palettes = torch.from_numpy(palettes)
+        ordered = torch.sort(palettes, dim=1).values
+        values = {
+            0: palettes[:, int(rng.integers(0, entries))].clone(),  # exactly an entry
+            1: (ordered[:, 0] + ordered[:, 1]) / 2,  # exactly between two entries
+            2: ordered[:, -1] + 1.0,  # beyond the largest
+        }.get(trial % 4, torch.from_numpy(rng.standard_normal(rows) * 2))
+        expected = (values[:, None] - palettes).abs().argmin(dim=1)
+        assert torch.equal(_SortedEntries(palettes).nearest(values), expected), trial
+
+
 def test_rows_compensated_together_or_alone_take_the_same_entries():
     """A palette store stacks the tensors fed the same input (q/k/v) into one pass."""
     weight, luts, _, seen, _ = _layer(4)

@@ -412,7 +412,7 @@ class _Search:
     def _verify_text(self) -> dict[str, tuple[list[int], np.ndarray, np.ndarray | None]]:
         """By function: the real-text token ids verify's quality verdict scores it on, and verify's
         own references there (``verification.reference``: the base at its stored precision,
-        which a float32 checkpoint's float16 copy is not), the function's and the base's (None
+        which its float16 copy is not exactly), the function's and the base's (None
         for the base function); none when the base has no tokenizer."""
         from adapterpack.verification.reference import reference_logits
         from adapterpack.verification.texts import verify_tokens
