@@ -296,6 +296,7 @@ class _Search:
         with self.reporter.stage(f"auto: load the base and measure {len(self.names)} function(s) uncompressed"):
             base = load_base(self.checked.base.folder, dtype="float16")
             self.base_weights = {name: module.weight.detach().clone() for name, module in self._layers(base).items()}
+            self.stored_as = _stored_names(base)
             seeded = self._seeded_ids(base)
             verify_text = self._verify_text()
             functions = [self._prepare(base, name, ids[name][:AUTO_TOKENS], seeded, verify_text) for name in self.names]
@@ -450,7 +451,6 @@ class _Search:
             seeded_base_logits = self._seeded_logits(base, seeded_ids) if is_adapter else None
             with self._applied(base, name) as model:
                 layers = self._layers(model)
-                self.stored_as = _stored_names(model)
                 self.eligible[name] = set()
                 for layer, module in layers.items():
                     stored, shape = self.stored_as.get(layer, layer), tuple(module.weight.shape)

@@ -65,15 +65,15 @@ def compensated_indices(
     hessian.diagonal().add_(DAMPING * float(hessian.diagonal().mean()))
     inverse = _upper_cholesky_of_inverse(hessian)
     stored = torch.from_numpy(np.asarray(luts, dtype=np.float64))
+    sorted_entries = None  # one palette for every column, when large enough to bisect
     if block_columns is None:
         every = stored.repeat_interleave(group_rows, dim=0)
-        sorted_entries = _SortedEntries(every) if every.shape[1] >= BISECT_ENTRIES else None
+        if every.shape[1] >= BISECT_ENTRIES:
+            sorted_entries = _SortedEntries(every)
 
         def palette_of(column: int) -> torch.Tensor:
             return every
     else:
-
-        sorted_entries = None
 
         def palette_of(column: int) -> torch.Tensor:
             return stored[:, column // block_columns]
