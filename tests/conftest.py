@@ -84,6 +84,13 @@ def demo(tmp_path_factory):
         return ap.build(manifest, output=output, options=ap.BuildOptions(cache_dir=shared / "cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def derived_inputs(tmp_path_factory):
+    """What adapterpack derives once per input (a multimodal base's text tower) goes to the
+    run's own folder, not the user's cache."""
+    os.environ["ADAPTERPACK_CACHE_DIR"] = str(tmp_path_factory.mktemp("derived-inputs"))
+
+
 def pytest_configure(config):
     # Under pytest-xdist each worker is one of the machine's cores: one BLAS/OpenMP thread per
     # worker (and the commands it runs) instead of every worker spinning threads on every core.

@@ -42,6 +42,9 @@ class BaseInfo:
     source: str  # what the manifest said (path or hub id)
     revision: str | None
     from_hub: bool = False  # a hub snapshot: its files are links into the repository's blob store
+    # The multimodal checkpoint this text-only base was read from (``inputs.text_tower``); its
+    # ``folder`` is then the text tower's, written by adapterpack.
+    tower_of: Path | None = None
 
     def shipped_file(self, name: str) -> bytes | None:
         """The bytes of file ``name`` of the base folder, for a release to ship (a tokenizer

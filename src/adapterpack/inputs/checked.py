@@ -25,6 +25,8 @@ from adapterpack.errors import BadInput, warn_or_refuse
 from adapterpack.inputs.adapter import AdapterInfo, inspect_adapter
 from adapterpack.inputs.base import BaseInfo, check_weight_shapes, resolve_base
 from adapterpack.inputs.calibration import CalibrationText, read_calibration
+from adapterpack.inputs.safetensors import sha256_files
+from adapterpack.inputs.text_tower import text_tower, tower_adapter
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class CheckedInputs:
         adapter's folder (an mlx-lm adapter's own, not its peft form) and the calibration
         texts. No output may be written over, into or around any of them
         (``config.paths.refuse_overlap``)."""
-        found = [self.base.folder, *(info.origin for info in self.adapters.values())]
+        found = [self.base.tower_of or self.base.folder, *(info.origin for info in self.adapters.values())]
         found += [text.path for text in self.calibration.values()]
         if self.manifest.source is not None:
             found.append(Path(self.manifest.source))
@@ -70,8 +72,8 @@ def check_inputs(
         return manifest
     if not isinstance(manifest, Manifest):
         manifest = load_manifest(manifest)
-    base = resolve_base(manifest.base.path, manifest.base.revision, manifest.folder)
-    check_family(base.config, base.folder / "config.json")
+    base = text_tower(resolve_base(manifest.base.path, manifest.base.revision, manifest.folder))
+    check_family(base.config, (base.tower_of or base.folder) / "config.json")
     check_weight_shapes(base)
     manifest = _vocabulary_default(manifest, base)
     check_layer_exceptions(manifest, base)
@@ -178,10 +180,18 @@ def read_adapter(folder: Path, format: str | None, base, *, allow_pickle: bool, 
 
     folder = Path(folder)
     if format == "mlx" or (format is None and folder.is_dir() and looks_like_mlx(folder)):
-        mlx = read_mlx_adapter(folder, base, base_names=(*base_names, str(base.folder)))
+        mlx = read_mlx_adapter(folder, base, base_names=(*base_names, str(base.tower_of or base.folder)))
         info = inspect_adapter(mlx.peft_folder, base)
         return dataclasses.replace(
             info, content_hash=mlx.content_hash, warnings=mlx.warnings, format="mlx", source=folder
+        )
+    renamed = tower_adapter(folder, base)
+    if renamed is not None:  # trained on the multimodal model: read as the text tower names it
+        peft_folder, warnings = renamed
+        info = inspect_adapter(peft_folder, base, base_names=base_names)
+        return dataclasses.replace(
+            info, content_hash=sha256_files((folder / "adapter_config.json", folder / "adapter_model.safetensors")),
+            warnings=(*warnings, *info.warnings), source=folder,
         )
     return inspect_adapter(folder, base, allow_pickle=allow_pickle, base_names=base_names)
 
@@ -254,4 +264,4 @@ def hf_name(checked: CheckedInputs) -> str:
     configured = str(checked.base.config.get("_name_or_path") or "")
     if looks_like_hub_id(configured):
         return configured
-    return checked.base.folder.name
+    return (checked.base.tower_of or checked.base.folder).name

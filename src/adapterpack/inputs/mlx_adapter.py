@@ -35,6 +35,7 @@ import numpy as np
 
 from adapterpack.errors import BadInput
 from adapterpack.inputs.safetensors import check_finite, read_safetensors_header, sha256_files, tensor_data_ranges
+from adapterpack.inputs.text_tower import text_name
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +253,8 @@ def read_mlx_adapter(folder: Path, base, *, base_names: tuple[str, ...] = (), wo
     found: dict[str, dict[str, str]] = {}
     for name in tensors:
         module, _, leaf = name.rpartition(".")
+        if base.tower_of is not None:  # trained on the multimodal model: its language model's names
+            module = text_name(module) or module
         misplaced = (leaf == "m" and not dora) or (leaf.endswith(("_scales", "_biases")) and module not in quantized)
         if leaf not in _LEAVES or module not in expected or misplaced:
             raise _bad(weights, f"tensor {name} maps to no LoRA layer mlx-lm makes on this base (fine_tune_type "

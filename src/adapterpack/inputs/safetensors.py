@@ -387,3 +387,31 @@ def tensor_chunks(fh: Any, start: int, length: int, chunk: int = _CHUNK) -> Iter
 
 
 _Roles = dict[str, tuple[str, TensorInfo]]  # role ("A", "B", ...) -> (adapter key, info)
+
+
+def write_renamed(tensors: Iterable[tuple[str, Path, str]], destination: Path) -> None:
+    """Write ``destination``: a safetensors file holding, for each ``(name, file, stored
+    name)`` in order, that tensor's bytes as ``file`` stores them under ``name``. Bytes are
+    copied, never decoded, so every dtype (bfloat16 and FP8 included) is kept exactly; each
+    source header is validated first (``_parse_header``)."""
+    headers: dict[Path, tuple[dict[str, _Entry], int]] = {}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # transformers loads "pt" files only
+    spans, offset = [], 0
+    for name, file, stored in tensors:
+        if file not in headers:
+            headers[file] = _parse_header(file)
+        entries, data_start = headers[file]
+        entry = entries[stored]
+        length = entry.end - entry.begin
+        header[name] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [offset, offset + length]}
+        spans.append((file, data_start + entry.begin, length))
+        offset += length
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data region starts 8-byte aligned, as safetensors writes it
+    with destination.open("wb") as out:
+        out.write(struct.pack("<Q", len(text)))
+        out.write(text)
+        for file, start, length in spans:
+            with file.open("rb") as fh:
+                for _, buf in tensor_chunks(fh, start, length):
+                    out.write(buf)
