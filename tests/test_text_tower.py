@@ -197,3 +197,11 @@ def test_a_bad_multimodal_base_is_one_line_naming_its_own_file_and_nothing_is_wr
     with pytest.raises(BadInput, match=rf"^{base}/{expected}"):
         check_inputs(manifest_for(tmp_path, base, multimodal / "skill"))
     assert (sorted(towers.iterdir()) if towers.is_dir() else []) == before
+
+
+def test_an_unwritable_cache_folder_is_one_line_naming_it(multimodal, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("ADAPTERPACK_CACHE_DIR", str(cache))
+    with pytest.raises(BadInput, match=rf"^{cache}.*: cannot access"):
+        check_inputs(manifest_for(tmp_path, multimodal / "base", multimodal / "skill"))

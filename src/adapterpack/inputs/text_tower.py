@@ -32,7 +32,7 @@ from pathlib import Path
 
 from adapterpack.config.families import check_family
 from adapterpack.errors import BadInput
-from adapterpack.inputs.base import TOKENIZER_JSON_FILES, BaseInfo, check_weight_shapes, read_shipped_file
+from adapterpack.inputs.base import TOKENIZER_JSON_FILES, BaseInfo, check_weight_shapes, os_errors_as_bad_input, read_shipped_file
 from adapterpack.inputs.safetensors import _bad, _load_json_object, read_safetensors_header, sha256_files, write_renamed
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ def _text_config(config: dict, config_file: Path) -> dict:
     return filled
 
 
+@os_errors_as_bad_input  # an unwritable cache folder is named, not a traceback
 def text_tower(base: BaseInfo) -> BaseInfo:
     """``base`` when it is a text-only model; for a multimodal one, the text-only base its
     language model is (written under ``cache_root()`` the first time, read back after)."""
@@ -194,6 +195,7 @@ _PEFT_PREFIX = "base_model.model."
 _LORA_LEAF = re.compile(r"\.(lora_[A-Za-z_]+|modules_to_save)(\..*)?$")
 
 
+@os_errors_as_bad_input
 def tower_adapter(folder: Path, base: BaseInfo) -> tuple[Path, tuple[str, ...]] | None:
     """For a peft adapter trained on the multimodal model ``base`` was read from: (the peft
     folder that names its tensors as the text tower does, warnings); None when there is
