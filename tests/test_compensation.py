@@ -106,6 +106,26 @@ def test_nearest_entry_by_bisection_is_argmin_s_ties_and_duplicates_included():
         assert torch.equal(_SortedEntries(palettes).nearest(values), expected), trial
 
 
+@pytest.mark.parametrize("seed", [0, 5])
+def test_errors_spread_by_sub_blocks_choose_what_column_by_column_spreading_chooses(seed, monkeypatch):
+    """Within a block, each column's error reaches its sub-block one column at a time and the
+    rest of the block by one matrix product: the same sums in another order, so the same entries
+    (a different rounding of a sum could flip an exact tie: allowed, but not a different error)."""
+    import adapterpack.compress.compensation as compensation
+
+    weight, luts, _, seen, held_out = _layer(seed, out_features=64, in_features=300)
+    gram = seen.T @ seen / len(seen)
+    by_sub_blocks = compensated_indices(weight, luts, GROUP, gram)
+    monkeypatch.setattr(compensation, "SUB_BLOCK", compensation.BLOCK)
+    column_by_column = compensated_indices(weight, luts, GROUP, gram)
+    monkeypatch.setattr(compensation, "SUB_BLOCK", 1)
+    one_column = compensated_indices(weight, luts, GROUP, gram)
+    assert np.mean(by_sub_blocks != column_by_column) <= 1e-3
+    np.testing.assert_array_equal(one_column, column_by_column)
+    errors = [_output_error(weight, luts, chosen, held_out) for chosen in (by_sub_blocks, column_by_column)]
+    assert errors[0] == pytest.approx(errors[1], rel=1e-6)
+
+
 def test_rows_compensated_together_or_alone_take_the_same_entries():
     """A palette store stacks the tensors fed the same input (q/k/v) into one pass."""
     weight, luts, _, seen, _ = _layer(4)

@@ -29,6 +29,12 @@ import torch
 DAMPING = 0.1
 # Columns rounded before their error reaches the rest at once (one matrix product per block).
 BLOCK = 128
+# Within a block, columns rounded before their error reaches the block's other columns at once:
+# each column's error is spread one column at a time only over its own few neighbours, and by a
+# matrix product over the rest (GPTQ's lazy batch, applied twice). The one-column updates were
+# most of a build's compensation on a 1B model (py-spy); BLOCK here spreads every column's error
+# one column at a time over the whole block, as before (benchmarks/compensation_blocks.py).
+SUB_BLOCK = 16
 # Palettes of at least this many entries find each weight's nearest by bisection in their sorted
 # entries instead of comparing it with every entry, which was a quarter of compression auto's
 # search on Gemma 3 270M (py-spy), most layers of which it moves to 8 bits. At 256 entries a
@@ -83,14 +89,18 @@ def compensated_indices(
         block = work[:, first:last].clone()
         errors = torch.empty_like(block)
         corner = inverse[first:last, first:last]
-        for column in range(last - first):
-            values = block[:, column]
-            palette = palette_of(int(order[first + column]))
-            entry = sorted_entries.nearest(values) if sorted_entries is not None else (values[:, None] - palette).abs().argmin(dim=1)
-            chosen[:, first + column] = entry.to(torch.uint8)
-            error = (values - palette.gather(1, entry[:, None])[:, 0]) / corner[column, column]
-            block[:, column:] -= error[:, None] * corner[column, column:][None, :]
-            errors[:, column] = error
+        for start in range(0, last - first, SUB_BLOCK):
+            stop = min(start + SUB_BLOCK, last - first)
+            for column in range(start, stop):
+                values = block[:, column]
+                palette = palette_of(int(order[first + column]))
+                entry = sorted_entries.nearest(values) if sorted_entries is not None else (values[:, None] - palette).abs().argmin(dim=1)
+                chosen[:, first + column] = entry.to(torch.uint8)
+                error = (values - palette.gather(1, entry[:, None])[:, 0]) / corner[column, column]
+                block[:, column:stop] -= error[:, None] * corner[column, column:stop][None, :]
+                errors[:, column] = error
+            if stop < last - first:
+                block[:, stop:] -= errors[:, start:stop] @ corner[start:stop, stop:]
         work[:, last:] -= errors @ inverse[first:last, last:]
     indices = torch.empty_like(chosen)
     indices[:, order] = chosen
