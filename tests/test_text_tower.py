@@ -21,14 +21,14 @@ VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_siz
               num_attention_heads=2, image_size=28, patch_size=14)
 
 
-def make_multimodal_base(folder: Path, seed: int = 0) -> Path:
+def make_multimodal_base(folder: Path, seed: int = 0, **text_overrides) -> Path:
     """A random ``Gemma3ForConditionalGeneration`` whose language model is the toy Gemma 3 of
     ``factories.tiny_config`` (sliding and global layers, (1 + w) gains made to matter), saved as
     transformers 5 saves it (``model.language_model.*`` beside ``model.vision_tower.*``)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     torch.manual_seed(seed)
-    text = tiny_config("gemma3_text").to_dict()
+    text = tiny_config("gemma3_text", **text_overrides).to_dict()
     config = Gemma3Config(text_config=text, vision_config=VISION, mm_tokens_per_image=4,
                           boi_token_index=90, eoi_token_index=91, image_token_index=92)
     model = Gemma3ForConditionalGeneration(config)
@@ -205,3 +205,37 @@ def test_an_unwritable_cache_folder_is_one_line_naming_it(multimodal, tmp_path, 
     monkeypatch.setenv("ADAPTERPACK_CACHE_DIR", str(cache))
     with pytest.raises(BadInput, match=rf"^{cache}.*: cannot access"):
         check_inputs(manifest_for(tmp_path, multimodal / "base", multimodal / "skill"))
+
+
+def test_the_export_of_a_4b_shaped_tower_computes_what_the_multimodal_model_computes(tmp_path):
+    """Gemma 3 4B's global layers scale their rope positions (linear, factor 8) and its local
+    ones do not: the export's decoder over the tower, as both clients call it, against
+    transformers' multimodal model on text."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from adapterpack.convert.base_model import load_base
+    from test_gemma3 import _both_conventions
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+    base = make_multimodal_base(tmp_path / "base", rope_parameters=rope)
+    make_adapter(tmp_path / "skill", base, targets=("q_proj",))
+    tower = check_inputs(manifest_for(tmp_path, base, tmp_path / "skill")).base
+    assert tower.config["rope_parameters"]["full_attention"]["factor"] == 8.0
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = Gemma3ForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()(input_ids=ids).logits[0]
+        unscaled = Gemma3ForConditionalGeneration.from_pretrained(
+            make_multimodal_base(tmp_path / "unscaled"), dtype=torch.float32).eval()(input_ids=ids).logits[0]
+        swift, apple = _both_conventions(load_base(tower.folder), ids, prefill=7)
+    assert (unscaled - reference).abs().max() > 0.01  # the scaling changes the logits here
+    torch.testing.assert_close(swift, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(apple, reference, rtol=0, atol=1e-5)
+
+
+def test_validate_says_it_reads_the_text_tower(multimodal, tmp_path):
+    from factories import run_cli
+
+    result = run_cli("validate", str(manifest_for(tmp_path, multimodal / "base", multimodal / "skill")))
+    assert result.returncode == 0, result.stderr
+    assert "(gemma3_text: the text tower of a multimodal checkpoint, read from " in " ".join(result.stdout.split())

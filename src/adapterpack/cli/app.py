@@ -392,10 +392,13 @@ def validate(
         if check_range:
             check_value_ranges(checked, checked.manifest.function_names, ConsoleReporter(False))
         m = checked.manifest
+        family = checked.base.config.get("model_type")
+        if checked.base.tower_of is not None:
+            family = f"{family}: the text tower of a multimodal checkpoint, read from {checked.base.folder}"
         out.print(
             f"{manifest}: ok: {len(m.function_names)} function(s) "
             f"({', '.join(m.function_names)}; default {m.default}), base {m.base.path} "
-            f"({checked.base.config.get('model_type')}), max_context {m.export.max_context}",
+            f"({family}), max_context {m.export.max_context}",
             highlight=False,
         )
         for function, exceptions in check_layer_exceptions(m, checked.base).items():
