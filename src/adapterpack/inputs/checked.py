@@ -25,7 +25,6 @@ from adapterpack.errors import BadInput, warn_or_refuse
 from adapterpack.inputs.adapter import AdapterInfo, inspect_adapter
 from adapterpack.inputs.base import BaseInfo, check_weight_shapes, resolve_base
 from adapterpack.inputs.calibration import CalibrationText, read_calibration
-from adapterpack.inputs.safetensors import sha256_files
 from adapterpack.inputs.text_tower import text_tower, tower_adapter
 
 log = logging.getLogger(__name__)
@@ -187,12 +186,9 @@ def read_adapter(folder: Path, format: str | None, base, *, allow_pickle: bool, 
         )
     renamed = tower_adapter(folder, base)
     if renamed is not None:  # trained on the multimodal model: read as the text tower names it
-        peft_folder, warnings = renamed
+        peft_folder, content_hash, warnings = renamed
         info = inspect_adapter(peft_folder, base, base_names=base_names)
-        return dataclasses.replace(
-            info, content_hash=sha256_files((folder / "adapter_config.json", folder / "adapter_model.safetensors")),
-            warnings=(*warnings, *info.warnings), source=folder,
-        )
+        return dataclasses.replace(info, content_hash=content_hash, warnings=(*warnings, *info.warnings), source=folder)
     return inspect_adapter(folder, base, allow_pickle=allow_pickle, base_names=base_names)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from adapterpack.config.families import check_family
 from adapterpack.errors import BadInput
-from adapterpack.inputs.base import TOKENIZER_JSON_FILES, BaseInfo, check_weight_shapes, os_errors_as_bad_input, read_shipped_file
+from adapterpack.inputs.base import TOKENIZER_JSON_FILES, BaseInfo, check_weight_shapes, os_errors_as_bad_input
 from adapterpack.inputs.safetensors import _bad, _load_json_object, read_safetensors_header, sha256_files, write_renamed
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def _write_tower(base: BaseInfo, config: dict, folder: Path) -> None:
     for name, info in sorted(base.tensors.items()):
         text = text_name(name)
         (others if text is None else chosen).append((text, info.file, name))
-    needed = sum(info.file.stat().st_size for info in {i.file: i for i in base.tensors.values()}.values())
+    needed = sum(file.stat().st_size for file in base.weight_files)
     folder.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder.parent).free
     if free < needed:
@@ -160,8 +160,7 @@ def _write_tower(base: BaseInfo, config: dict, folder: Path) -> None:
         )
     log.info("%s: writing its text tower once (%d tensors; %d of the vision tower left out) to %s",
              base.folder, len(chosen), len(others), folder)
-    root = base.folder.parent.parent if base.from_hub else base.folder
-    carried = {name: read_shipped_file(base.folder, name, root) for name in _CARRIED_FILES}
+    carried = {name: base.shipped_file(name) for name in _CARRIED_FILES}
 
     def fill(incoming: Path) -> None:
         write_renamed(chosen, incoming / "model.safetensors")
@@ -196,10 +195,11 @@ _LORA_LEAF = re.compile(r"\.(lora_[A-Za-z_]+|modules_to_save)(\..*)?$")
 
 
 @os_errors_as_bad_input
-def tower_adapter(folder: Path, base: BaseInfo) -> tuple[Path, tuple[str, ...]] | None:
+def tower_adapter(folder: Path, base: BaseInfo) -> tuple[Path, str, tuple[str, ...]] | None:
     """For a peft adapter trained on the multimodal model ``base`` was read from: (the peft
-    folder that names its tensors as the text tower does, warnings); None when there is
-    nothing to rename (a text-only base, or an adapter already named for the text tower)."""
+    folder that names its tensors as the text tower does, the content hash of the adapter as
+    given, warnings); None when there is nothing to rename (a text-only base, or an adapter
+    already named for the text tower)."""
     weights = Path(folder) / "adapter_model.safetensors"
     if base.tower_of is None or not weights.is_file():
         return None
@@ -219,7 +219,8 @@ def tower_adapter(folder: Path, base: BaseInfo) -> tuple[Path, tuple[str, ...]] 
     kept = sorted((renamed.get(key, key), key) for key in tensors if key not in left_out)
     if not kept:
         raise _bad(weights, f"all {len(tensors)} LoRA tensors adapt the vision tower, which a package does not hold")
-    target = cache_root() / "tower-adapters" / f"{sha256_files((config_file, weights))[:32]}-v{TOWER_VERSION}"
+    content_hash = sha256_files((config_file, weights))
+    target = cache_root() / "tower-adapters" / f"{content_hash[:32]}-v{TOWER_VERSION}"
     if not (target / "adapter_model.safetensors").is_file():
         renamed_config = _tower_adapter_config(config, kept)
 
@@ -232,7 +233,7 @@ def tower_adapter(folder: Path, base: BaseInfo) -> tuple[Path, tuple[str, ...]] 
     if left_out:
         warnings = (f"{weights}: {len(left_out)} LoRA tensor(s) adapt the vision tower (first: {left_out[0]}), "
                     "which a package does not hold: left out",)
-    return target, warnings
+    return target, content_hash, warnings
 
 
 def _tower_adapter_config(config: dict, kept: list[tuple[str, str]]) -> dict:
