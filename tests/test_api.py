@@ -50,3 +50,42 @@ def test_load_manifest_reads_the_demo() -> None:
     assert manifest.function_names == ["code", "docs", "zen", "base"]
     with pytest.raises(ap.BadInput, match="manifest not found"):
         ap.load_manifest(REPO / "manifests" / "missing.yaml")
+
+
+def test_build_options_refuse_what_no_flag_accepts() -> None:
+    for given, flag in ((dict(package_format="onnx"), "--format 'onnx'"), (dict(contract="coreml"), "--contract 'coreml'"), (dict(backend="gpu"), "--backend 'gpu'")):
+        with pytest.raises(ap.BadInput, match=flag):
+            ap.BuildOptions(**given)
+    assert ap.BuildOptions(package_format="aimodel", contract="apple").package_format == "aimodel"
+
+
+def test_the_commands_flags_are_the_options_fields() -> None:
+    """Each BuildOptions field is one flag, with the field's help and default, in every command
+    that takes it: build all of them, release all but --no-verify, merge three."""
+    import dataclasses
+
+    import typer
+
+    from adapterpack.cli.app import app
+
+    commands = typer.main.get_command(app).commands
+    fields = {f.name: f for f in dataclasses.fields(ap.BuildOptions)}
+    taken = {"build": set(fields), "release": set(fields) - {"verify"}, "merge": {"force", "backend", "strict"}}
+    for command, names in taken.items():
+        options = {opt: param for param in commands[command].params for opt in param.opts}
+        for name, field in fields.items():
+            flag = field.metadata["flag"]
+            assert (flag in options) == (name in names), (command, flag)
+            if name in names:
+                assert options[flag].help == field.metadata["help"]
+                assert options[flag].default == (False if field.metadata["negates"] else field.default), (command, flag)
+    from adapterpack.cli.flags import options_flags
+
+    seen = []
+
+    def probe(*, options: ap.BuildOptions, quiet: bool = False) -> None:
+        seen.append(options)
+
+    # --no-verify given, --no-cache not: the negated flags set their fields to False
+    options_flags("verify", "use_cache", "force")(probe)(verify=True, use_cache=False, force=True, quiet=False)
+    assert seen == [ap.BuildOptions(verify=False, use_cache=True, force=True)]

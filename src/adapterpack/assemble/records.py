@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapterpack.config.manifest import Manifest
+from adapterpack.config.manifest import CONTRACTS, Manifest
+from adapterpack.errors import BadInput
 from adapterpack.formats.format import Format
 
 log = logging.getLogger(__name__)
@@ -86,19 +87,56 @@ def _logged_stage(label: str) -> Iterator[None]:
     log.info("%s done (%.1f s)", label, time.perf_counter() - started)
 
 
+def _flag(default, flag: str, help: str, *, negates: bool = False):
+    """A field of ``BuildOptions`` and the command-line flag that sets it (``negates``: the flag
+    sets the field to False, ``--no-verify`` for ``verify``); the CLI generates its flags from
+    these (``cli.options``), so a field, its flag and its help are declared once."""
+    return field(default=default, metadata={"flag": flag, "help": help, "negates": negates})
+
+
+def _format_help() -> str:
+    from adapterpack.formats.registry import FORMATS
+
+    formats = " or ".join(f"{f.name} ({f.platforms})" for f in FORMATS.values())
+    return f"Package format: {formats}; default: the output's suffix, else the manifest's export.format"
+
+
 @dataclass(frozen=True)
 class BuildOptions:
-    """How ``build``, ``release``, ``merge`` and fan-out parts run: the flags the commands share."""
+    """How ``build``, ``release``, ``merge`` and fan-out parts run: the flags the commands share.
 
-    force: bool = False  # replace an existing output (only once the new one succeeded)
-    allow_pickle: bool = False  # accept pickle (.bin) adapters, loaded with weights_only
-    strict: bool = False  # warnings (other base, device rules) are errors
-    verify: bool = True  # verify every function before the output is moved into place
-    backend: str = "numpy"  # verification backend: numpy (any OS) or coreml (macOS)
-    cache_dir: Path | None = None  # build cache (default: .adapterpack-cache beside the output)
-    use_cache: bool = True  # read and write the build cache
-    package_format: str | None = None  # mlpackage | aimodel (--format); None: the output's suffix or the manifest's
-    contract: str | None = None  # swift-transformers | apple (--contract); None: the manifest's
+    Checked when made: an unknown backend, format or contract is refused (``BadInput``), naming
+    the flag that sets it.
+    """
+
+    force: bool = _flag(False, "--force", "Replace an existing output (only once the new one succeeded)")
+    allow_pickle: bool = _flag(False, "--allow-pickle", "Accept pickle (.bin) adapters, loaded with weights_only")
+    strict: bool = _flag(
+        False, "--strict", "Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors"
+    )
+    verify: bool = _flag(True, "--no-verify", "Skip verifying every function against PyTorch", negates=True)
+    backend: str = _flag("numpy", "--backend", "Verification backend: numpy (any OS) or coreml (macOS)")
+    cache_dir: Path | None = _flag(
+        None, "--cache-dir", "Build cache (default: .adapterpack-cache beside the output; parts: none unless given)"
+    )
+    use_cache: bool = _flag(True, "--no-cache", "Rebuild every function; do not read or write the cache", negates=True)
+    package_format: str | None = _flag(None, "--format", _format_help())
+    contract: str | None = _flag(
+        None,
+        "--contract",
+        "How an app calls each function: swift-transformers (default) or apple (aimodel only: Apple's "
+        "CoreAILanguageModel runtime); default: the manifest's export.contract",
+    )
+
+    def __post_init__(self) -> None:
+        from adapterpack.formats.registry import NAMES
+        from adapterpack.verification.runners import check_backend  # numpy loads when options are made, not on import
+
+        check_backend(self.backend)
+        if self.package_format is not None and self.package_format not in NAMES:
+            raise BadInput(f"--format {self.package_format!r}: choose {' or '.join(NAMES)}")
+        if self.contract is not None and self.contract not in CONTRACTS:
+            raise BadInput(f"--contract {self.contract!r}: choose {' or '.join(CONTRACTS)}")
 
 
 @dataclass

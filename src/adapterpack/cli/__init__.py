@@ -8,4 +8,4 @@ from adapterpack.threads import use_machine_threads
 
 use_machine_threads()
 
-__all__ = ["app", "boundary", "render"]
+__all__ = ["app", "boundary", "flags", "render"]

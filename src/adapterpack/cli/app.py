@@ -23,6 +23,7 @@ from adapterpack.assemble.disk import disk_needs
 from adapterpack.assemble.pipeline import build_function_part, merge_from_parts
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.cli.boundary import configure_logging, error_boundary
+from adapterpack.cli.flags import option_of, options_flags
 from adapterpack.cli.render import (
     ConsoleReporter,
     cache_listing,
@@ -37,11 +38,10 @@ from adapterpack.cli.render import (
     verify_table,
 )
 from adapterpack.config.devices import DEVICES, find_device
-from adapterpack.config.manifest import CONTRACTS, manifest_json_schema
+from adapterpack.config.manifest import manifest_json_schema
 from adapterpack.config.names import check_swift_type_name
 from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
 from adapterpack.formats.metadata import strict_json
-from adapterpack.formats.registry import NAMES as PACKAGE_FORMATS
 from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.checked import check_inputs, check_layer_exceptions, check_state_sizes
 from adapterpack.report.asset import inspect_either
@@ -86,62 +86,29 @@ _interrupted = False
 
 
 ManifestArg = Annotated[Path, typer.Argument(help="Manifest YAML, e.g. manifests/demo.yaml", show_default=False)]
-# The flags several commands share (see assemble.records.BuildOptions), declared once.
-ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output (only once the new one succeeded)")]
-AllowPickleOption = Annotated[bool, typer.Option("--allow-pickle", help="Accept pickle (.bin) adapters, loaded with weights_only")]
-StrictOption = Annotated[
-    bool,
-    typer.Option(
-        "--strict",
-        help="Treat warnings (an adapter trained on a differently named base, a device rule the package breaks) as errors",
-    ),
-]
-BackendOption = Annotated[str, typer.Option("--backend", help="Verification backend: numpy (any OS) or coreml (macOS)")]
-FormatOption = Annotated[
-    str | None,
-    typer.Option(
-        "--format",
-        help="Package format: mlpackage (Core ML, iOS/macOS 18+) or aimodel (Core AI, iOS/macOS 27+); "
-        "default: the output's suffix, else the manifest's export.format",
-    ),
-]
-ContractOption = Annotated[
-    str | None,
-    typer.Option(
-        "--contract",
-        help="How an app calls each function: swift-transformers (default) or apple (aimodel only: Apple's "
-        "CoreAILanguageModel runtime); default: the manifest's export.contract",
-    ),
-]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="One line per stage, no live display")]
-CacheDirOption = Annotated[
-    Path | None,
-    typer.Option("--cache-dir", help="Build cache (default: .adapterpack-cache beside the output; parts: none unless given)"),
-]
-NoCacheOption = Annotated[bool, typer.Option("--no-cache", help="Rebuild every function; do not read or write the cache")]
+# Flags of BuildOptions fields, for commands that take one alone (declared with the field).
+AllowPickleOption = option_of("allow_pickle")
+BackendOption = option_of("backend")
+StrictOption = option_of("strict")
+BUILD_FLAGS = ("package_format", "contract", "force", "allow_pickle", "verify", "backend", "strict", "cache_dir", "use_cache")
 
 
 @app.command()
+@options_flags(*BUILD_FLAGS)
 def build(
     manifest: ManifestArg,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Output .mlpackage or .aimodel (overrides the manifest's `output`)")
     ] = None,
-    package_format: FormatOption = None,
-    contract: ContractOption = None,
-    force: ForceOption = False,
-    allow_pickle: AllowPickleOption = False,
-    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verifying every function against PyTorch")] = False,
-    backend: BackendOption = "numpy",
-    strict: StrictOption = False,
-    cache_dir: CacheDirOption = None,
-    no_cache: NoCacheOption = False,
     function: Annotated[
         str | None, typer.Option("--function", help="Fan-out: build only this function's part (needs --parts)")
     ] = None,
     parts: Annotated[
         Path | None, typer.Option("--parts", help="Fan-out: folder to write the part to, for `adapterpack merge`")
     ] = None,
+    *,
+    options: BuildOptions,
     quiet: QuietOption = False,
 ) -> None:
     """Build one multifunction .mlpackage (or Core AI .aimodel) from a manifest, then verify it (exit 3 if it does not match).
@@ -153,13 +120,6 @@ def build(
     """
     configure_logging(quiet)
     with error_boundary():
-
-        check_backend(backend)
-        options = BuildOptions(
-            force=force, allow_pickle=allow_pickle, strict=strict, verify=not no_verify, backend=backend,
-            cache_dir=cache_dir, use_cache=not no_cache, package_format=_check_format(package_format),
-            contract=_check_contract(contract),
-        )
         if (function is None) != (parts is None):
             raise BadInput("--function and --parts go together (build one function's part for `adapterpack merge`)")
         if function is not None:
@@ -172,15 +132,15 @@ def build(
 
 
 @app.command()
+@options_flags("force", "backend", "strict")
 def merge(
     parts_dir: Annotated[Path, typer.Argument(help="Folder of parts from `build --function NAME --parts DIR`", show_default=False)],
     output: Annotated[Path, typer.Option("--output", "-o", help="The merged .mlpackage")],
     manifest: Annotated[
         Path | None, typer.Option("--manifest", "-m", help="Verify the merged package against this manifest")
     ] = None,
-    force: ForceOption = False,
-    backend: BackendOption = "numpy",
-    strict: StrictOption = False,
+    *,
+    options: BuildOptions,
     quiet: QuietOption = False,
 ) -> None:
     """Merge parts built by separate jobs into one package (checks they share base, settings and versions).
@@ -189,23 +149,8 @@ def merge(
     """
     configure_logging(quiet)
     with error_boundary():
-
-        check_backend(backend)
-        options = BuildOptions(force=force, strict=strict, backend=backend)
         result = merge_from_parts(parts_dir, output, manifest=manifest, options=options, reporter=ConsoleReporter(quiet))
         print_build(result)
-
-
-def _check_contract(contract: str | None) -> str | None:
-    if contract is not None and contract not in CONTRACTS:
-        raise BadInput(f"--contract {contract!r}: choose {' or '.join(CONTRACTS)}")
-    return contract
-
-
-def _check_format(package_format: str | None) -> str | None:
-    if package_format is not None and package_format not in PACKAGE_FORMATS:
-        raise BadInput(f"--format {package_format!r}: choose {' or '.join(PACKAGE_FORMATS)}")
-    return package_format
 
 
 @app.command()
@@ -324,20 +269,15 @@ def eval_command(
 
 
 @app.command()
+@options_flags("package_format", "contract", "force", "allow_pickle", "backend", "strict", "cache_dir", "use_cache")
 def release(
     manifest: ManifestArg,
     out_dir: Annotated[Path, typer.Option("--out-dir", "-d", help="Release folder, e.g. dist/")],
-    package_format: FormatOption = None,
-    contract: ContractOption = None,
-    force: ForceOption = False,
-    allow_pickle: AllowPickleOption = False,
-    backend: BackendOption = "numpy",
-    strict: StrictOption = False,
-    cache_dir: CacheDirOption = None,
-    no_cache: NoCacheOption = False,
     no_bundle: Annotated[bool, typer.Option("--no-bundle", help="Skip the app-ready folder (package, tokenizer files, Swift enum, model card)")] = False,
     eval_text: Annotated[Path | None, typer.Option("--eval-text", help="Measure perplexity on this text for the model card (see `eval`)")] = None,
     eval_window: Annotated[int | None, typer.Option("--eval-window", help="Tokens per eval window (see `eval --window`)")] = None,
+    *,
+    options: BuildOptions,
     quiet: QuietOption = False,
 ) -> None:
     """Build, verify and write reproducible release artifacts: NAME.mlpackage.zip, build-info.json, SHA256SUMS, and the app-ready folder NAME/.
@@ -347,11 +287,6 @@ def release(
     configure_logging(quiet)
     with error_boundary():
 
-        check_backend(backend)
-        options = BuildOptions(
-            force=force, allow_pickle=allow_pickle, strict=strict, backend=backend, cache_dir=cache_dir, use_cache=not no_cache,
-            package_format=_check_format(package_format), contract=_check_contract(contract),
-        )
         result = api.release(
             manifest, out_dir, options=options, reporter=ConsoleReporter(quiet),
             bundle=not no_bundle, eval_text=eval_text, eval_window=eval_window,

@@ -31,6 +31,7 @@ class Format:
     name: str  # as the manifest's export.format and --format say it
     suffix: str  # of a package of this format
     title: str  # in messages: "Core ML package"
+    platforms: str  # what runs it, in help texts: "Core ML, iOS/macOS 18+"
     # Libraries besides torch, transformers and peft whose versions shape the package's bytes.
     libraries: tuple[str, ...]
     # Built one function per part and merged (fan-out, merge); else written whole in one session.

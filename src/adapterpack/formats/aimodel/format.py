@@ -45,6 +45,7 @@ AIMODEL = Format(
     name="aimodel",
     suffix=".aimodel",
     title="Core AI asset",
+    platforms="Core AI, iOS/macOS 27+",
     libraries=("coreai-core", "coreai-torch"),
     # Core AI shares weights only between entry points converted in one session, so separate
     # jobs' assets could not be merged without storing the base again.

@@ -51,6 +51,7 @@ MLPACKAGE = Format(
     name="mlpackage",
     suffix=".mlpackage",
     title="Core ML package",
+    platforms="Core ML, iOS/macOS 18+",
     libraries=("coremltools",),
     fans_out=True,
     runtime=None,
