@@ -4,12 +4,13 @@ no code outside the formats layer tests which format it holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
-from adapterpack.config.manifest import PACKAGE_FORMATS
+from adapterpack.config.manifest import PACKAGE_FORMATS, Export
 from adapterpack.errors import BadInput
 from adapterpack.formats.registry import FORMATS, NAMES, named, of_output, of_package
 from adapterpack.report.asset import INSPECTORS
@@ -20,6 +21,24 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "adapterpack"
 
 def test_the_schema_and_the_registry_know_the_same_formats():
     assert tuple(PACKAGE_FORMATS) == NAMES
+    export = Export.model_json_schema()["properties"]
+    assert tuple(export["format"]["enum"]) == NAMES and export["format"]["default"] == NAMES[0]
+    assert set(export["contract"]["enum"]) == {c for f in FORMATS.values() for c in f.contracts}
+
+
+def test_what_a_format_takes_is_its_registry_entrys(monkeypatch):
+    """The manifest asks the registry which contracts and precisions a format takes: a format
+    that took Apple's contract would be let through, one that did not is refused."""
+    with pytest.raises(ValueError, match=r"contract apple applies to format aimodel \(a \.mlpackage takes contract swift-transformers\)"):
+        Export(contract="apple")
+    with pytest.raises(ValueError, match="compute_precision float32 applies to format aimodel"):
+        Export(compute_precision="float32")
+    widened = dataclasses.replace(FORMATS["mlpackage"], contracts=("swift-transformers", "apple"))
+    monkeypatch.setitem(FORMATS, "mlpackage", widened)
+    assert Export(contract="apple").contract == "apple"
+    monkeypatch.setitem(FORMATS, "aimodel", dataclasses.replace(FORMATS["aimodel"], contracts=("swift-transformers",)))
+    with pytest.raises(ValueError, match=r"contract apple applies to format mlpackage \(a \.aimodel takes"):
+        Export(format="aimodel", contract="apple")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -27,13 +27,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from adapterpack.errors import BadInput
+from adapterpack.files import sha256_files
 from adapterpack.inputs.adapter import AdapterInfo, inspect_adapter
 from adapterpack.inputs.base import BaseInfo, resolve_base
 from adapterpack.inputs.safetensors import (
     TensorInfo,
     check_finite,
     read_safetensors_header,
-    sha256_files,
 )
 
 transformers = pytest.importorskip("transformers")

@@ -27,6 +27,7 @@ from adapterpack.config.names import check_function_name, check_package_name
 from adapterpack.config.paths import resolved
 from adapterpack.config.strict import Strict
 from adapterpack.errors import BadInput
+from adapterpack.formats import registry as format_registry
 
 DEPLOYMENT_TARGETS = ("iOS18", "macOS15", "tvOS18", "watchOS11", "visionOS2", "iOS26", "macOS26")
 MAX_CONTEXT_LIMIT = 131072
@@ -105,19 +106,25 @@ class Adapter(Strict):
         return _auto_shorthand(value)
 
 
-PackageFormat = Literal["mlpackage", "aimodel"]
-PACKAGE_FORMATS: tuple[str, ...] = ("mlpackage", "aimodel")
+# The formats the manifest accepts are the registry's (formats.registry): a new format is added there.
+PACKAGE_FORMATS: tuple[str, ...] = format_registry.NAMES
+PackageFormat = Literal[PACKAGE_FORMATS]  # type: ignore[valid-type]
 
 
 def format_of(path: str | Path) -> str | None:
-    """The package format a path's suffix names (``.mlpackage``/``.aimodel``), or None."""
-    suffix = Path(path).suffix.lstrip(".")
-    return suffix if suffix in PACKAGE_FORMATS else None
+    """The name of the package format a path's suffix names, or None."""
+    found = format_registry.of_output(path)
+    return found.name if found is not None else None
+
+
+def _format_choices() -> str:
+    return "; ".join(f"{f.name}: {f.platforms}" for f in format_registry.FORMATS.values())
 
 
 # How an app calls a function (export.contract): swift-transformers' LanguageModelWithStatefulKVCache
-# (the default; a .mlpackage's only one), or Apple's Core AI Swift runtime (convert.export_decoder).
-CONTRACTS = ("swift-transformers", "apple")
+# (the default; a .mlpackage's only one), or Apple's Core AI Swift runtime (convert.export_decoder);
+# every contract some format of the registry takes, the default first.
+CONTRACTS = tuple(dict.fromkeys(contract for f in format_registry.FORMATS.values() for contract in f.contracts))
 
 
 class Export(Strict):
@@ -133,8 +140,8 @@ class Export(Strict):
     )
     deployment_target: Literal[DEPLOYMENT_TARGETS] = "iOS18"  # type: ignore[valid-type]
     format: PackageFormat = Field(
-        default="mlpackage",
-        description="mlpackage: Core ML, iOS/macOS 18+ (default); aimodel: Core AI, iOS/macOS 27+ (needs the [coreai] extra)",
+        default=PACKAGE_FORMATS[0],
+        description=f"{_format_choices()} (the first is the default)",
     )
     compute_precision: Literal["float16", "float32"] = Field(
         default="float16",
@@ -163,11 +170,16 @@ class Export(Strict):
         return self
 
     def check_for_format(self) -> None:
-        """What only a Core AI asset allows: float32 compute, Apple's runtime contract."""
-        if self.compute_precision == "float32" and self.format != "aimodel":
-            raise ValueError("compute_precision float32 applies to format aimodel (a .mlpackage computes in float16)")
-        if self.contract == "apple" and self.format != "aimodel":
-            raise ValueError("contract apple applies to format aimodel (a .mlpackage follows swift-transformers' contract)")
+        """What the format allows (its registry entry): its contracts and compute precisions."""
+        chosen = format_registry.named(self.format)
+        for setting, value, allowed in (
+            ("compute_precision", self.compute_precision, "compute_precisions"),
+            ("contract", self.contract, "contracts"),
+        ):
+            if value not in getattr(chosen, allowed):
+                takers = " or ".join(f.name for f in format_registry.FORMATS.values() if value in getattr(f, allowed))
+                mine = " or ".join(getattr(chosen, allowed))
+                raise ValueError(f"{setting} {value} applies to format {takers} (a {chosen.suffix} takes {setting} {mine})")
 
 
 # Verify's two verdicts per function (verification.package):
@@ -322,7 +334,7 @@ class Manifest(Strict):
         named = format_of(self.output) if self.output else None
         if self.output is not None and named is None:
             raise ValueError(
-                f"output '{self.output}': a package is a folder named *.{' or *.'.join(PACKAGE_FORMATS)} "
+                f"output '{self.output}': a package is a folder named *{' or *'.join(f.suffix for f in format_registry.FORMATS.values())} "
                 "(a release's zip is written by `adapterpack release`)"
             )
         if named is not None and named != self.export.format:
@@ -406,7 +418,7 @@ class Manifest(Strict):
             return self
         output = self.output
         if output is not None and format_of(output):
-            output = str(Path(output).with_suffix(f".{package_format}"))
+            output = str(Path(output).with_suffix(format_registry.named(package_format).suffix))
         export = self.export.model_copy(update={"format": package_format, "contract": contract})
         return self.model_copy(update={"export": export, "output": output})
 

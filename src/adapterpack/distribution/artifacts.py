@@ -25,10 +25,10 @@ from adapterpack.assemble.records import BuildOptions, BuildResult, Reporter
 from adapterpack.assemble.staging import Staging
 from adapterpack.config.paths import refuse_overlap, resolved
 from adapterpack.errors import BadInput, OutOfResources, OutputExists
+from adapterpack.files import sha256_files
 from adapterpack.formats.metadata import library_versions, strict_json
 from adapterpack.formats.registry import written_by_adapterpack
 from adapterpack.inputs.checked import check_inputs
-from adapterpack.inputs.safetensors import sha256_files
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from adapterpack.assemble.parts import place
 from adapterpack.config.names import swift_case_name
 from adapterpack.errors import BadInput
+from adapterpack.files import sha256_files
 from adapterpack.formats.registry import read_functions
-from adapterpack.inputs.safetensors import sha256_files
 from adapterpack.report.memory import human_size
 from adapterpack.report.swift import swift_enum
 

@@ -32,6 +32,10 @@ class Format:
     suffix: str  # of a package of this format
     title: str  # in messages: "Core ML package"
     platforms: str  # what runs it, in help texts: "Core ML, iOS/macOS 18+"
+    # What the manifest's export may ask of it: how apps call its functions (the first is the
+    # default), and the precisions it computes in.
+    contracts: tuple[str, ...]
+    compute_precisions: tuple[str, ...]
     # Libraries besides torch, transformers and peft whose versions shape the package's bytes.
     libraries: tuple[str, ...]
     # Built one function per part and merged (fan-out, merge); else written whole in one session.

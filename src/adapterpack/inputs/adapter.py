@@ -11,17 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adapterpack.files import bad_file, sha256_files, short
 from adapterpack.inputs.base import BaseInfo, os_errors_as_bad_input
 from adapterpack.inputs.safetensors import (
     TensorInfo,
-    _bad,
     _is_uint,
     _load_json_object,
     _Roles,
-    _short,
     check_finite,
     read_safetensors_header,
-    sha256_files,
 )
 
 _PEFT_PREFIX = "base_model.model."
@@ -66,7 +64,7 @@ def _pattern_key(patterns: Iterable[str], module: str, config_file: Path, field:
             if re.match(rf"(.*\.)?({pattern})$", module):
                 return pattern
         except re.error as exc:
-            raise _bad(
+            raise bad_file(
                 config_file, f"{field} key {pattern!r} is not a valid regular expression ({exc})"
             ) from None
     return None
@@ -80,54 +78,54 @@ def _adapter_config(folder: Path) -> tuple[Path, dict]:
     """Load adapter_config.json and check the fields the shape checks rely on."""
     config_file = folder / "adapter_config.json"
     if not config_file.exists():
-        raise _bad(
+        raise bad_file(
             config_file,
             "missing: a peft adapter folder needs adapter_config.json next to its weights",
         )
     config = _load_json_object(config_file)
     peft_type = config.get("peft_type")
     if peft_type not in SUPPORTED_PEFT_TYPES:
-        raise _bad(
+        raise bad_file(
             config_file,
             f"peft_type {peft_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_PEFT_TYPES)} (LoRA, including DoRA via use_dora)",
         )
     r = config.get("r", 8)  # peft's default when the field is absent
     if not _is_uint(r) or r == 0:
-        raise _bad(config_file, f"'r' must be a positive integer, found {r!r}")
+        raise bad_file(config_file, f"'r' must be a positive integer, found {r!r}")
     rank_pattern = config.get("rank_pattern") or {}
     if not isinstance(rank_pattern, dict) or not all(
         _is_uint(v) and v > 0 for v in rank_pattern.values()
     ):
-        raise _bad(config_file, "'rank_pattern' must map module patterns to positive integer ranks")
+        raise bad_file(config_file, "'rank_pattern' must map module patterns to positive integer ranks")
     alpha = config.get("lora_alpha", 8)
     if not _is_number(alpha) or alpha <= 0:
-        raise _bad(config_file, f"'lora_alpha' must be a positive number, found {alpha!r}")
+        raise bad_file(config_file, f"'lora_alpha' must be a positive number, found {alpha!r}")
     alpha_pattern = config.get("alpha_pattern") or {}
     if not isinstance(alpha_pattern, dict) or not all(_is_number(v) and v > 0 for v in alpha_pattern.values()):
-        raise _bad(config_file, "'alpha_pattern' must map module patterns to positive numbers")
+        raise bad_file(config_file, "'alpha_pattern' must map module patterns to positive numbers")
     targets = config.get("target_modules")
     if targets is not None and not isinstance(targets, str) and not (
         isinstance(targets, list) and all(isinstance(t, str) for t in targets)
     ):
-        raise _bad(config_file, f"'target_modules' must be a module name, a list of module names or null, found {targets!r}")
+        raise bad_file(config_file, f"'target_modules' must be a module name, a list of module names or null, found {targets!r}")
     layers = config.get("layers_to_transform")
     if layers is not None and not _is_uint(layers) and not (isinstance(layers, list) and all(_is_uint(n) for n in layers)):
-        raise _bad(config_file, f"'layers_to_transform' must be a layer index, a list of layer indices or null, found {layers!r}")
+        raise bad_file(config_file, f"'layers_to_transform' must be a layer index, a list of layer indices or null, found {layers!r}")
     for field in ("layers_pattern", "exclude_modules"):
         value = config.get(field)
         if value is not None and not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            raise _bad(config_file, f"'{field}' must be a string, a list of strings or null, found {value!r}")
+            raise bad_file(config_file, f"'{field}' must be a string, a list of strings or null, found {value!r}")
     for flag in ("use_rslora", "use_dora", "lora_bias", "fan_in_fan_out"):
         if not isinstance(config.get(flag, False), bool):
-            raise _bad(config_file, f"'{flag}' must be true or false, found {config[flag]!r}")
+            raise bad_file(config_file, f"'{flag}' must be true or false, found {config[flag]!r}")
     modules_to_save = config.get("modules_to_save") or []
     if isinstance(modules_to_save, str):
         modules_to_save = [modules_to_save]
     if not isinstance(modules_to_save, list) or not all(
         isinstance(m, str) for m in modules_to_save
     ):
-        raise _bad(config_file, "'modules_to_save' must be a list of module names or null")
+        raise bad_file(config_file, "'modules_to_save' must be a list of module names or null")
     return config_file, config
 
 
@@ -139,11 +137,11 @@ def _load_pickle_adapter(file: Path) -> dict[str, TensorInfo]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # weights_only refuses arbitrary globals; also corrupt archives
-        raise _bad(
-            file, f"cannot load pickle weights safely ({type(exc).__name__}: {_short(exc)})"
+        raise bad_file(
+            file, f"cannot load pickle weights safely ({type(exc).__name__}: {short(exc)})"
         ) from None
     if not isinstance(state, dict):
-        raise _bad(file, f"expected a state dict of tensors, found {type(state).__name__}")
+        raise bad_file(file, f"expected a state dict of tensors, found {type(state).__name__}")
     names = {
         torch.float64: "F64",
         torch.float32: "F32",
@@ -159,11 +157,11 @@ def _load_pickle_adapter(file: Path) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     for name, value in state.items():
         if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise _bad(file, f"entry {name!r} is not a named tensor")
+            raise bad_file(file, f"entry {name!r} is not a named tensor")
         if value.dtype not in names:
-            raise _bad(file, f"tensor {name!r} has unsupported dtype {value.dtype}")
+            raise bad_file(file, f"tensor {name!r} has unsupported dtype {value.dtype}")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise _bad(
+            raise bad_file(
                 file,
                 f"tensor {name!r} has NaN/Inf values: the weights are corrupt or training diverged",
             )
@@ -440,9 +438,9 @@ def inspect_adapter(
     """
     folder = Path(folder)
     if not folder.exists():
-        raise _bad(folder, "adapter folder not found")
+        raise bad_file(folder, "adapter folder not found")
     if not folder.is_dir():
-        raise _bad(
+        raise bad_file(
             folder,
             "adapter is a file; expected a peft folder with adapter_config.json and "
             "adapter_model.safetensors",
@@ -457,15 +455,15 @@ def inspect_adapter(
         check_finite(st_file, tensors)
     elif bin_file.exists():
         if not allow_pickle:
-            raise _bad(bin_file, f"refusing adapter_model.bin: {_PICKLE_HINT}")
+            raise bad_file(bin_file, f"refusing adapter_model.bin: {_PICKLE_HINT}")
         weight_file = bin_file
         tensors = _load_pickle_adapter(bin_file)
     else:
-        raise _bad(
+        raise bad_file(
             folder, "no adapter_model.safetensors (the weights file peft's save_pretrained writes)"
         )
     if not tensors:
-        raise _bad(weight_file, "holds no tensors")
+        raise bad_file(weight_file, "holds no tensors")
 
     uses_dora = bool(config.get("use_dora"))
     checker = _KeyChecker(base, config, config_file)
@@ -475,7 +473,7 @@ def inspect_adapter(
     if checker.problems:
         key, reason = checker.problems[0]
         bad_keys = len({k for k, _ in checker.problems})
-        raise _bad(
+        raise bad_file(
             weight_file,
             f"{bad_keys} of {len(tensors)} adapter tensor(s) do not apply to base "
             f"'{base.source}'; first: {key}: {reason}",
@@ -483,7 +481,7 @@ def inspect_adapter(
 
     missing = _untrained_targets(base, config, set(checker.lora) | set(checker.saved))
     if missing:
-        raise _bad(
+        raise bad_file(
             weight_file,
             f"missing LoRA weights for {len(missing)} module(s) that adapter_config.json targets, "
             f"first: {missing[0]} (the weights file does not match its config)",
@@ -491,7 +489,7 @@ def inspect_adapter(
 
     ignored = _untargeted_weights(config, set(checker.lora))
     if ignored:
-        raise _bad(
+        raise bad_file(
             weight_file,
             f"LoRA weights for {len(ignored)} module(s) that adapter_config.json does not target (peft would "
             f"silently ignore them), first: {ignored[0]}; add them to target_modules or remove their tensors",

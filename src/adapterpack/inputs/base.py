@@ -15,15 +15,12 @@ from typing import Any
 from adapterpack.config.families import ignored_weight, read_weights
 from adapterpack.config.paths import resolved
 from adapterpack.errors import BadInput
+from adapterpack.files import bad_file, refuse_special_file, sha256_files, short
 from adapterpack.inputs.safetensors import (
     _T,
     TensorInfo,
-    _bad,
     _load_json_object,
-    _short,
     read_safetensors_header,
-    refuse_special_file,
-    sha256_files,
 )
 
 # A Hugging Face repo id: "name" or "owner/name".
@@ -67,12 +64,12 @@ def read_shipped_file(folder: Path, name: str, root: Path) -> bytes | None:
         return None
     target, root = resolved(path, "file"), resolved(root, "folder")
     if not (target == root or root in target.parents):
-        raise _bad(path, f"links outside its folder (to {target}): a release copies only files from inside its inputs")
+        raise bad_file(path, f"links outside its folder (to {target}): a release copies only files from inside its inputs")
     if not target.is_file():
-        raise _bad(path, "is not a regular file (a folder, FIFO, socket, device or dangling link): a release copies only regular files")
+        raise bad_file(path, "is not a regular file (a folder, FIFO, socket, device or dangling link): a release copies only regular files")
     size = target.stat().st_size
     if size > MAX_SHIPPED_FILE_BYTES:
-        raise _bad(path, f"is {size / 2**20:.0f} MiB: a release copies files of at most {MAX_SHIPPED_FILE_BYTES >> 20} MiB from its inputs")
+        raise bad_file(path, f"is {size / 2**20:.0f} MiB: a release copies files of at most {MAX_SHIPPED_FILE_BYTES >> 20} MiB from its inputs")
     return target.read_bytes()
 
 
@@ -95,7 +92,7 @@ def os_errors_as_bad_input(func: Callable[..., _T]) -> Callable[..., _T]:
             return func(*args, **kwargs)
         except OSError as exc:
             where = exc.filename or (args[0] if args else "input")
-            raise _bad(where, f"cannot access: {exc.strerror or _short(exc)}") from None
+            raise bad_file(where, f"cannot access: {exc.strerror or short(exc)}") from None
 
     return wrapper
 
@@ -116,12 +113,12 @@ def resolve_base(source: str, revision: str | None, manifest_dir: Path) -> BaseI
     path = resolved(source, "base path", Path(manifest_dir))
     if path.exists():
         if not path.is_dir():
-            raise _bad(
+            raise bad_file(
                 path, "base is a file; expected a folder with config.json and model.safetensors"
             )
         return _inspect_base_folder(path, source, revision, from_hub=False)
     if _looks_local(source):
-        raise _bad(
+        raise bad_file(
             path,
             "base folder not found (the manifest's base path is resolved relative to the manifest)",
         )
@@ -142,7 +139,7 @@ def _download(source: str, revision: str | None, local_path: Path) -> Path:
     except Exception as exc:  # network, auth, missing repo, offline mode, missing package
         raise BadInput(
             f"base '{source}': cannot download from the Hugging Face hub "
-            f"({type(exc).__name__}: {_short(exc)}): use a local folder "
+            f"({type(exc).__name__}: {short(exc)}): use a local folder "
             f"(there is none at {local_path})"
         ) from None
     folder = Path(where)
@@ -162,7 +159,7 @@ def _inspect_base_folder(
     """Validate config.json and the safetensors weights of a local base folder."""
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise _bad(
+        raise bad_file(
             config_file,
             "missing: the base folder must be a Hugging Face model folder with config.json",
         )
@@ -181,7 +178,7 @@ def _inspect_base_folder(
     else:
         raise _no_weights_error(folder, from_hub)
     if not tensors:
-        raise _bad(weight_files[0], "holds no tensors")
+        raise bad_file(weight_files[0], "holds no tensors")
     # The tokenizer files generate, eval and release read later, and an app ships: a truncated
     # or mistyped one is refused now rather than after the build.
     for name in TOKENIZER_JSON_FILES:
@@ -205,7 +202,7 @@ def _no_weights_error(folder: Path, from_hub: bool) -> BadInput:
     names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl"))]
     if pickles:
-        return _bad(
+        return bad_file(
             folder,
             f"base has only pickle weights ({', '.join(pickles[:3])}), which can run code "
             "when loaded; convert them to safetensors "
@@ -215,7 +212,7 @@ def _no_weights_error(folder: Path, from_hub: bool) -> BadInput:
     found = f"; found {', '.join(others[:3])}" if others else ""
     # The hub download skips *.bin, so a pickle-only repo arrives without any weights.
     hub = " (hub repos with only pickle weights are refused)" if from_hub else ""
-    return _bad(folder, f"no model.safetensors or model.safetensors.index.json{found}{hub}")
+    return bad_file(folder, f"no model.safetensors or model.safetensors.index.json{found}{hub}")
 
 
 def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str, TensorInfo]]:
@@ -227,7 +224,7 @@ def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str
         or not weight_map
         or not all(isinstance(v, str) for v in weight_map.values())
     ):
-        raise _bad(
+        raise bad_file(
             index,
             "'weight_map' must be a non-empty object mapping tensor names to shard file names",
         )
@@ -241,15 +238,15 @@ def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str
         # Checked lexically, because hub snapshots are symlinks into a shared blob store.
         normal = Path(os.path.normpath(shard_name))
         if not shard_name or normal.is_absolute() or normal.parts[:1] == ("..",):
-            raise _bad(index, f"shard {shard_name!r} lies outside the model folder")
+            raise bad_file(index, f"shard {shard_name!r} lies outside the model folder")
         if not shard.is_file():
-            raise _bad(index, f"names shard {shard_name!r}, which is missing from {folder}")
+            raise bad_file(index, f"names shard {shard_name!r}, which is missing from {folder}")
         header = read_safetensors_header(shard)
         for name, info in header.items():
             if name in tensors:
-                raise _bad(shard, f"tensor {name!r} also appears in {tensors[name].file.name}")
+                raise bad_file(shard, f"tensor {name!r} also appears in {tensors[name].file.name}")
             if weight_map.get(name) != shard_name:
-                raise _bad(
+                raise bad_file(
                     shard,
                     f"tensor {name!r} is not mapped to this shard in {index.name}: "
                     "inconsistent checkpoint",
@@ -258,7 +255,7 @@ def _read_sharded(folder: Path, index: Path) -> tuple[tuple[Path, ...], dict[str
         files.append(shard)
     missing = [name for name in weight_map if name not in tensors]
     if missing:
-        raise _bad(
+        raise bad_file(
             index,
             f"{len(missing)} tensor(s) listed but absent from their shard, first {missing[0]!r} "
             f"(expected in {weight_map[missing[0]]})",
@@ -277,10 +274,10 @@ def check_weight_shapes(base: BaseInfo) -> None:
     expected = read_weights(base.config)
     for name, info in sorted(base.tensors.items()):
         if name in expected and tuple(info.shape) != expected[name]:
-            raise _bad(info.file, f"{name} has shape {tuple(info.shape)}, but {config_file.name} implies {expected[name]}")
+            raise bad_file(info.file, f"{name} has shape {tuple(info.shape)}, but {config_file.name} implies {expected[name]}")
     missing = [name for name in expected if name not in base.tensors]
     if missing:
-        raise _bad(
+        raise bad_file(
             config_file,
             f"{len(missing)} weight(s) the config's layers need are in no weight file (first: {missing[0]}): "
             "a base must be complete",
@@ -288,7 +285,7 @@ def check_weight_shapes(base: BaseInfo) -> None:
     unread = sorted(name for name in base.tensors if name not in expected and not ignored_weight(name, base.config))
     if unread:
         model_type = base.config.get("model_type")
-        raise _bad(
+        raise bad_file(
             base.tensors[unread[0]].file,
             f"{len(unread)} tensor(s) a {model_type} model does not read (first: {unread[0]}): "
             f"weights of another architecture, or a config.json that does not describe them",

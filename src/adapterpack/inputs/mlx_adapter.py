@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from adapterpack.errors import BadInput
-from adapterpack.inputs.safetensors import check_finite, read_safetensors_header, sha256_files, tensor_data_ranges
+from adapterpack.files import bad_file, sha256_files
+from adapterpack.inputs.safetensors import check_finite, read_safetensors_header, tensor_data_ranges
 from adapterpack.inputs.text_tower import text_name
 
 log = logging.getLogger(__name__)
@@ -63,35 +63,31 @@ class MlxAdapter:
     warnings: tuple[str, ...]
 
 
-def _bad(path: Path, problem: str) -> BadInput:
-    return BadInput(f"{path}: {problem}")
-
-
 def _read_config(folder: Path) -> dict:
     path = folder / CONFIG
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
-        raise _bad(folder, f"no {CONFIG} (mlx_lm.lora writes one beside {WEIGHTS})") from None
+        raise bad_file(folder, f"no {CONFIG} (mlx_lm.lora writes one beside {WEIGHTS})") from None
     except (OSError, ValueError) as error:
-        raise _bad(path, f"not readable JSON ({str(error)[:120]})") from None
+        raise bad_file(path, f"not readable JSON ({str(error)[:120]})") from None
     if not isinstance(config, dict):
-        raise _bad(path, "not a JSON object")
+        raise bad_file(path, "not a JSON object")
     kind = config.get("fine_tune_type", "lora")
     if kind == "full":
-        raise _bad(path, "fine_tune_type full: a full fine-tune is a new base, not an adapter; fuse it with mlx_lm.fuse and package the result as the base")
+        raise bad_file(path, "fine_tune_type full: a full fine-tune is a new base, not an adapter; fuse it with mlx_lm.fuse and package the result as the base")
     if kind not in ("lora", "dora"):
-        raise _bad(path, f"fine_tune_type {kind!r} is not supported: lora or dora")
+        raise bad_file(path, f"fine_tune_type {kind!r} is not supported: lora or dora")
     parameters = config.get("lora_parameters")
     if not isinstance(parameters, dict) or not isinstance(parameters.get("rank"), int) or parameters["rank"] < 1:
-        raise _bad(path, "lora_parameters.rank is missing or not a positive integer")
+        raise bad_file(path, "lora_parameters.rank is missing or not a positive integer")
     if not isinstance(parameters.get("scale"), (int, float)) or not math.isfinite(parameters["scale"]):
-        raise _bad(path, "lora_parameters.scale is missing or not a number (mlx-lm's LoRA scale)")
+        raise bad_file(path, "lora_parameters.scale is missing or not a number (mlx-lm's LoRA scale)")
     keys = parameters.get("keys")
     if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)):
-        raise _bad(path, "lora_parameters.keys must be a list of module names")
+        raise bad_file(path, "lora_parameters.keys must be a list of module names")
     if not isinstance(config.get("num_layers"), int):
-        raise _bad(path, "num_layers is missing or not an integer")
+        raise bad_file(path, "num_layers is missing or not an integer")
     quantization = config.get("adapter_quantization")
     if quantization is not None:
         _check_quantization(path, quantization, parameters["rank"])
@@ -101,27 +97,27 @@ def _read_config(folder: Path) -> dict:
 def _check_quantization(path: Path, quantization, rank: int) -> None:
     """The checks mlx-lm's ``_parse_quantized_lora_layers`` makes, as one-line reasons."""
     if not isinstance(quantization, dict) or quantization.get("format") != QUANTIZED_FORMAT or quantization.get("version") != 1:
-        raise _bad(path, f"adapter_quantization: not format {QUANTIZED_FORMAT} version 1")
+        raise bad_file(path, f"adapter_quantization: not format {QUANTIZED_FORMAT} version 1")
     if quantization.get("mode") != "affine":
-        raise _bad(path, f"adapter_quantization.mode {quantization.get('mode')!r}: only affine is supported (as mlx-lm persists it)")
+        raise bad_file(path, f"adapter_quantization.mode {quantization.get('mode')!r}: only affine is supported (as mlx-lm persists it)")
     for field in ("group_size", "rank_group_size"):
         if quantization.get(field) not in (32, 64, 128):
-            raise _bad(path, f"adapter_quantization.{field} {quantization.get(field)!r}: 32, 64 or 128")
+            raise bad_file(path, f"adapter_quantization.{field} {quantization.get(field)!r}: 32, 64 or 128")
     layers = quantization.get("layers")
     if not isinstance(layers, dict) or not layers:
-        raise _bad(path, "adapter_quantization.layers is missing")
+        raise bad_file(path, "adapter_quantization.layers is missing")
     fields = ("bits", "input_dims", "output_dims", "rank", "padded_input_dims", "padded_rank")
     for name, layer in layers.items():
         if not isinstance(layer, dict) or any(not isinstance(layer.get(f), int) or layer[f] <= 0 for f in fields):
-            raise _bad(path, f"adapter_quantization.layers.{name}: needs positive integers {', '.join(fields)}")
+            raise bad_file(path, f"adapter_quantization.layers.{name}: needs positive integers {', '.join(fields)}")
         if layer["bits"] not in (2, 3, 4, 5, 6, 8):
-            raise _bad(path, f"adapter_quantization.layers.{name}.bits {layer['bits']}: 2, 3, 4, 5, 6 or 8")
+            raise bad_file(path, f"adapter_quantization.layers.{name}.bits {layer['bits']}: 2, 3, 4, 5, 6 or 8")
         if layer["rank"] != rank:
-            raise _bad(path, f"adapter_quantization.layers.{name}.rank {layer['rank']} disagrees with lora_parameters.rank {rank}")
+            raise bad_file(path, f"adapter_quantization.layers.{name}.rank {layer['rank']} disagrees with lora_parameters.rank {rank}")
         if layer["padded_input_dims"] != _padded(layer["input_dims"], quantization["group_size"]) or layer[
             "padded_rank"
         ] != _padded(layer["rank"], quantization["rank_group_size"]):
-            raise _bad(path, f"adapter_quantization.layers.{name}: padding does not match the group sizes")
+            raise bad_file(path, f"adapter_quantization.layers.{name}: padding does not match the group sizes")
 
 
 def _padded(size: int, group: int) -> int:
@@ -166,7 +162,7 @@ def _check_quantized_layer(weights: Path, module: str, leaves: dict, tensors: di
     """A quantized LoRA layer's six tensors, their shapes and metadata, against the base."""
     out_dim, in_dim = base_shape
     if (layer["output_dims"], layer["input_dims"]) != (out_dim, in_dim):
-        raise _bad(weights, f"{module}: adapter_quantization says {layer['output_dims']}x{layer['input_dims']}, the base's is {out_dim}x{in_dim}")
+        raise bad_file(weights, f"{module}: adapter_quantization says {layer['output_dims']}x{layer['input_dims']}, the base's is {out_dim}x{in_dim}")
     bits, rank = layer["bits"], layer["rank"]
     expected = {
         "lora_a": (rank, layer["padded_input_dims"] * bits // 32),
@@ -177,12 +173,12 @@ def _check_quantized_layer(weights: Path, module: str, leaves: dict, tensors: di
     expected["lora_a_biases"], expected["lora_b_biases"] = expected["lora_a_scales"], expected["lora_b_scales"]
     for leaf, shape in expected.items():
         if leaf not in leaves:
-            raise _bad(weights, f"{module}.{leaf} is missing (a quantized LoRA layer has lora_a/lora_b, their scales and biases)")
+            raise bad_file(weights, f"{module}.{leaf} is missing (a quantized LoRA layer has lora_a/lora_b, their scales and biases)")
         name = leaves[leaf]
         if tuple(tensors[name].shape) != shape:
-            raise _bad(weights, f"tensor {name} has shape {tuple(tensors[name].shape)}, its metadata needs {shape}")
+            raise bad_file(weights, f"tensor {name} has shape {tuple(tensors[name].shape)}, its metadata needs {shape}")
         if leaf in ("lora_a", "lora_b") and tensors[name].dtype != "U32":
-            raise _bad(weights, f"tensor {name} is {tensors[name].dtype}; quantized LoRA matrices are packed uint32")
+            raise bad_file(weights, f"tensor {name} is {tensors[name].dtype}; quantized LoRA matrices are packed uint32")
 
 
 def _values(file: Path, tensors: dict) -> dict[str, np.ndarray]:
@@ -201,7 +197,7 @@ def _values(file: Path, tensors: dict) -> dict[str, np.ndarray]:
             elif info.dtype in ("F16", "F32", "F64"):
                 value = np.frombuffer(raw, {"F16": np.float16, "F32": np.float32, "F64": np.float64}[info.dtype]).astype(np.float32)
             else:
-                raise _bad(file, f"tensor {name} has dtype {info.dtype}; LoRA tensors are floating point")
+                raise bad_file(file, f"tensor {name} has dtype {info.dtype}; LoRA tensors are floating point")
             out[name] = value.reshape(info.shape)
     return out
 
@@ -240,7 +236,7 @@ def read_mlx_adapter(folder: Path, base, *, base_names: tuple[str, ...] = (), wo
     config = _read_config(folder)
     weights = folder / WEIGHTS
     if not weights.is_file():
-        raise _bad(folder, f"no {WEIGHTS} (the weights mlx_lm.lora writes)")
+        raise bad_file(folder, f"no {WEIGHTS} (the weights mlx_lm.lora writes)")
     tensors = read_safetensors_header(weights)
     check_finite(weights, tensors)
     dora = config.get("fine_tune_type", "lora") == "dora"
@@ -248,7 +244,7 @@ def read_mlx_adapter(folder: Path, base, *, base_names: tuple[str, ...] = (), wo
     quantization = config.get("adapter_quantization") or {}
     quantized = quantization.get("layers", {})
     if dora and quantized:
-        raise _bad(folder / CONFIG, "adapter_quantization on a DoRA adapter: mlx-lm quantizes LoRA adapters only")
+        raise bad_file(folder / CONFIG, "adapter_quantization on a DoRA adapter: mlx-lm quantizes LoRA adapters only")
     expected = lora_modules(config, base.tensors)
     found: dict[str, dict[str, str]] = {}
     for name in tensors:
@@ -257,15 +253,15 @@ def read_mlx_adapter(folder: Path, base, *, base_names: tuple[str, ...] = (), wo
             module = text_name(module) or module
         misplaced = (leaf == "m" and not dora) or (leaf.endswith(("_scales", "_biases")) and module not in quantized)
         if leaf not in _LEAVES or module not in expected or misplaced:
-            raise _bad(weights, f"tensor {name} maps to no LoRA layer mlx-lm makes on this base (fine_tune_type "
+            raise bad_file(weights, f"tensor {name} maps to no LoRA layer mlx-lm makes on this base (fine_tune_type "
                                 f"{config.get('fine_tune_type', 'lora')}, num_layers {config['num_layers']}, keys "
                                 f"{config['lora_parameters'].get('keys') or 'default'})")
         found.setdefault(module, {})[leaf] = name
     if not found:
-        raise _bad(weights, "holds no LoRA tensors")
+        raise bad_file(weights, "holds no LoRA tensors")
     for module in quantized:
         if module not in found:
-            raise _bad(weights, f"adapter_quantization names {module}, which has no tensors here")
+            raise bad_file(weights, f"adapter_quantization names {module}, which has no tensors here")
     for module, leaves in sorted(found.items()):
         kind = expected[module]
         out_dim, in_dim = base.tensors[f"{module}.weight"].shape
@@ -274,21 +270,21 @@ def read_mlx_adapter(folder: Path, base, *, base_names: tuple[str, ...] = (), wo
             continue
         if kind == "embedding":
             if dora:
-                raise _bad(weights, f"{module}: DoRA on an embedding is not supported")
+                raise bad_file(weights, f"{module}: DoRA on an embedding is not supported")
             shapes = {"lora_a": (out_dim, rank), "lora_b": (rank, in_dim)}
         else:
             shapes = {"lora_a": (in_dim, rank), "lora_b": (rank, out_dim), "m": (out_dim,)}
         required = ("lora_a", "lora_b", "m") if dora and kind == "linear" else ("lora_a", "lora_b")
         for leaf in required:
             if leaf not in leaves:
-                raise _bad(weights, f"{module}.{leaf} is missing (its module has {', '.join(sorted(leaves))})")
+                raise bad_file(weights, f"{module}.{leaf} is missing (its module has {', '.join(sorted(leaves))})")
         for leaf, name in leaves.items():
             shape = tuple(tensors[name].shape)
             if shape != shapes[leaf]:
                 hint = ""
                 if leaf in ("lora_a", "lora_b") and rank not in shape and len(shape) == 2:
                     hint = f" (lora_parameters.rank is {rank})"
-                raise _bad(weights, f"tensor {name} has shape {shape}, the base needs {shapes[leaf]}{hint}")
+                raise bad_file(weights, f"tensor {name} has shape {shape}, the base needs {shapes[leaf]}{hint}")
     warnings = []
     reason = _names_another_base(config.get("model"), base, base_names)
     if reason:

@@ -5,7 +5,6 @@ and safetensors: this runs before torch, transformers or peft are imported.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -16,7 +15,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from adapterpack.errors import BadInput
+from adapterpack.files import CHUNK as _CHUNK
+from adapterpack.files import bad_file, refuse_special_file, short
 
 # safetensors refuses headers above this size (its own N_LEN limit); a larger value is a
 # corrupt length field, not a real header.
@@ -66,7 +66,6 @@ _NONFINITE_BITS: dict[str, tuple[type[np.unsignedinteger], int, int]] = {
 }
 
 
-_CHUNK = 1 << 20  # 1 MiB: a multiple of every element size, small enough to stay cache-friendly
 
 
 _T = TypeVar("_T")
@@ -89,65 +88,29 @@ class _Entry:
     end: int
 
 
-def _bad(where: Path | str, problem: str) -> BadInput:
-    """Build a one-line BadInput that starts with the file (or source) at fault."""
-    return BadInput(" ".join(f"{where}: {problem}".splitlines()))
-
-
-def _short(exc: BaseException, limit: int = 200) -> str:
-    """One-line, bounded description of a foreign exception for embedding in a message."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def sha256_files(files: Iterable[Path | str]) -> str:
-    """SHA-256 hex digest of the concatenated contents of ``files``, streamed in 1 MiB chunks.
-
-    The caller fixes the order (config first, then weights); symlinks (hub cache) are followed.
-    """
-    digest = hashlib.sha256()
-    for file in files:
-        path = Path(file)
-        refuse_special_file(path, "a file to hash")
-        try:
-            with path.open("rb") as fh:
-                while chunk := fh.read(_CHUNK):
-                    digest.update(chunk)
-        except OSError as exc:
-            raise _bad(path, f"cannot read: {exc.strerror or _short(exc)}") from None
-    return digest.hexdigest()
-
-
-def refuse_special_file(file: Path, expected: str) -> None:
-    """BadInput when ``file`` is a FIFO, socket or device: opening one blocks (or never ends),
-    so it is refused unopened."""
-    if file.exists() and not file.is_dir() and not file.is_file():
-        raise _bad(file, f"is not a regular file (a FIFO, socket or device); expected {expected}")
-
-
 def _load_json_object(file: Path) -> dict:
     """Parse a JSON object file, turning every failure into a BadInput with line/column."""
     refuse_special_file(file, "a JSON file")
     try:
         raw = file.read_bytes()
     except FileNotFoundError:
-        raise _bad(file, "missing") from None
+        raise bad_file(file, "missing") from None
     except IsADirectoryError:
-        raise _bad(file, "is a folder, expected a JSON file") from None
+        raise bad_file(file, "is a folder, expected a JSON file") from None
     except OSError as exc:
-        raise _bad(file, f"cannot read: {exc.strerror or _short(exc)}") from None
+        raise bad_file(file, f"cannot read: {exc.strerror or short(exc)}") from None
     try:
         value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise _bad(file, f"not UTF-8 text (byte {exc.start}); expected a JSON object") from None
+        raise bad_file(file, f"not UTF-8 text (byte {exc.start}); expected a JSON object") from None
     except json.JSONDecodeError as exc:
-        raise _bad(
+        raise bad_file(
             file, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from None
     except (ValueError, RecursionError) as exc:  # over-long integers, absurd nesting
-        raise _bad(file, f"invalid JSON: {_short(exc)}") from None
+        raise bad_file(file, f"invalid JSON: {short(exc)}") from None
     if not isinstance(value, dict):
-        raise _bad(file, f"expected a JSON object at the top level, found {type(value).__name__}")
+        raise bad_file(file, f"expected a JSON object at the top level, found {type(value).__name__}")
     return value
 
 
@@ -173,45 +136,45 @@ def _parse_header(file: Path) -> tuple[dict[str, _Entry], int]:
         with file.open("rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size < 8:
-                raise _bad(
+                raise bad_file(
                     file,
                     f"not a safetensors file: {size} bytes, shorter than the 8-byte header length",
                 )
             (n,) = struct.unpack("<Q", fh.read(8))
             if n > MAX_HEADER_BYTES:
-                raise _bad(
+                raise bad_file(
                     file,
                     f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit: "
                     "corrupt or not safetensors",
                 )
             if n > size - 8:
-                raise _bad(
+                raise bad_file(
                     file,
                     f"header length {n} exceeds the file size ({size} bytes): "
                     "truncated or not safetensors",
                 )
             raw = fh.read(n)
     except FileNotFoundError:
-        raise _bad(file, "missing") from None
+        raise bad_file(file, "missing") from None
     except IsADirectoryError:
-        raise _bad(file, "is a folder, expected a safetensors file") from None
+        raise bad_file(file, "is a folder, expected a safetensors file") from None
     except OSError as exc:
-        raise _bad(file, f"cannot read: {exc.strerror or _short(exc)}") from None
+        raise bad_file(file, f"cannot read: {exc.strerror or short(exc)}") from None
     if len(raw) != n:
-        raise _bad(file, "file shrank while reading the header")
+        raise bad_file(file, "file shrank while reading the header")
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except UnicodeDecodeError as exc:
-        raise _bad(file, f"safetensors header is not UTF-8 (byte {exc.start + 8})") from None
+        raise bad_file(file, f"safetensors header is not UTF-8 (byte {exc.start + 8})") from None
     except json.JSONDecodeError as exc:
-        raise _bad(
+        raise bad_file(
             file, f"safetensors header is not valid JSON (byte {exc.pos + 8}: {exc.msg})"
         ) from None
     except (ValueError, RecursionError) as exc:
-        raise _bad(file, f"safetensors header is not valid JSON ({_short(exc)})") from None
+        raise bad_file(file, f"safetensors header is not valid JSON ({short(exc)})") from None
     if not isinstance(header, dict):
-        raise _bad(file, f"safetensors header must be a JSON object, found {type(header).__name__}")
+        raise bad_file(file, f"safetensors header must be a JSON object, found {type(header).__name__}")
 
     data_len = size - 8 - n
     entries: dict[str, _Entry] = {}
@@ -221,7 +184,7 @@ def _parse_header(file: Path) -> tuple[dict[str, _Entry], int]:
             if spec is not None and not (
                 isinstance(spec, dict) and all(isinstance(v, str) for v in spec.values())
             ):
-                raise _bad(file, "__metadata__ must be an object of string values")
+                raise bad_file(file, "__metadata__ must be an object of string values")
             continue
         entries[name] = _check_entry(file, name, spec, data_len)
 
@@ -231,19 +194,19 @@ def _parse_header(file: Path) -> tuple[dict[str, _Entry], int]:
     previous = None
     for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
         if entry.begin < expected:
-            raise _bad(
+            raise bad_file(
                 file,
                 f"tensor {name!r} (bytes {entry.begin}-{entry.end}) overlaps tensor {previous!r}",
             )
         if entry.begin > expected:
-            raise _bad(
+            raise bad_file(
                 file,
                 f"data bytes {expected}-{entry.begin} belong to no tensor (gap before {name!r})",
             )
         expected = entry.end
         previous = name
     if expected != data_len:
-        raise _bad(
+        raise bad_file(
             file, f"{data_len - expected} trailing data bytes after the last tensor: corrupt file"
         )
     return entries, 8 + n
@@ -268,35 +231,35 @@ def _bounded_prod(dims: list[int], limit: int) -> int:
 def _check_entry(file: Path, name: str, spec: Any, data_len: int) -> _Entry:
     """Validate one header entry against the size of the data region."""
     if not isinstance(spec, dict):
-        raise _bad(
+        raise bad_file(
             file, f"tensor {name!r}: header entry must be an object with dtype, shape, data_offsets"
         )
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
     if dtype not in DTYPE_BITS:
-        raise _bad(
+        raise bad_file(
             file, f"tensor {name!r}: unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BITS)}"
         )
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise _bad(
+        raise bad_file(
             file, f"tensor {name!r}: shape {shape!r} must be a list of non-negative integers"
         )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-        raise _bad(
+        raise bad_file(
             file,
             f"tensor {name!r}: data_offsets {offsets!r} must be [begin, end] non-negative integers",
         )
     begin, end = offsets
     if begin > end:
-        raise _bad(file, f"tensor {name!r}: data_offsets [{begin}, {end}] end before they begin")
+        raise bad_file(file, f"tensor {name!r}: data_offsets [{begin}, {end}] end before they begin")
     if end > data_len:
-        raise _bad(
+        raise bad_file(
             file,
             f"tensor {name!r} ends at data byte {end} but the data region has only "
             f"{data_len} bytes: file truncated",
         )
     bits = _bounded_prod(shape, 8 * (end - begin) + 1) * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != end - begin:
-        raise _bad(
+        raise bad_file(
             file,
             f"tensor {name!r}: {dtype} {tuple(shape)} does not fit the {end - begin} bytes "
             "its data_offsets span",
@@ -336,7 +299,7 @@ def check_finite(file: Path, tensors: dict[str, TensorInfo]) -> None:
             for name in tensors:
                 entry = entries.get(name)
                 if entry is None:
-                    raise _bad(file, f"tensor {name!r} is not in this file")
+                    raise bad_file(file, f"tensor {name!r} is not in this file")
                 rule = _NONFINITE_BITS.get(entry.dtype)
                 if rule is None or entry.begin == entry.end:
                     continue
@@ -345,14 +308,14 @@ def check_finite(file: Path, tensors: dict[str, TensorInfo]) -> None:
                 )
                 if count:
                     bits = DTYPE_BITS[entry.dtype]
-                    raise _bad(
+                    raise bad_file(
                         file,
                         f"tensor {name!r} ({entry.dtype} {entry.shape}) has {count} NaN/Inf "
                         f"value(s), first at flat index {first_byte * 8 // bits}: "
                         "the weights are corrupt or training diverged",
                     )
     except OSError as exc:
-        raise _bad(file, f"cannot read: {exc.strerror or _short(exc)}") from None
+        raise bad_file(file, f"cannot read: {exc.strerror or short(exc)}") from None
 
 
 def _scan_nonfinite(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adapterpack.errors import BadInput
-from adapterpack.inputs.safetensors import refuse_special_file
+from adapterpack.files import refuse_special_file
 
 # Bytes that do not occur in text: a file holding them is binary.
 _BINARY = set(range(0, 9)) | {11, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 127}

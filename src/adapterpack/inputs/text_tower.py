@@ -32,8 +32,9 @@ from pathlib import Path
 
 from adapterpack.config.families import check_family
 from adapterpack.errors import BadInput
+from adapterpack.files import bad_file, sha256_files
 from adapterpack.inputs.base import TOKENIZER_JSON_FILES, BaseInfo, check_weight_shapes, os_errors_as_bad_input
-from adapterpack.inputs.safetensors import _bad, _load_json_object, read_safetensors_header, sha256_files, write_renamed
+from adapterpack.inputs.safetensors import _load_json_object, read_safetensors_header, write_renamed
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,9 @@ def _text_config(config: dict, config_file: Path) -> dict:
     text = config.get("text_config")
     family = TOWERS[config["model_type"]]
     if not isinstance(text, dict):
-        raise _bad(config_file, f"a {config['model_type']} config must hold a 'text_config' object (its language model)")
+        raise bad_file(config_file, f"a {config['model_type']} config must hold a 'text_config' object (its language model)")
     if text.get("model_type", family) != family:
-        raise _bad(config_file, f"text_config.model_type is {text.get('model_type')!r}; a {config['model_type']} model's is {family!r}")
+        raise bad_file(config_file, f"text_config.model_type is {text.get('model_type')!r}; a {config['model_type']} model's is {family!r}")
     from adapterpack.quiet import captured_output, silence_libraries
 
     silence_libraries()
@@ -103,7 +104,7 @@ def _text_config(config: dict, config_file: Path) -> dict:
         filled = full.text_config.to_dict()
     # StrictDataclassError: a field of the wrong type (transformers validates its config classes)
     except (TypeError, ValueError, KeyError, AttributeError, StrictDataclassError) as error:
-        raise _bad(config_file, f"transformers cannot read this config: {str(error).strip().splitlines()[0][:200]}") from None
+        raise bad_file(config_file, f"transformers cannot read this config: {str(error).strip().splitlines()[0][:200]}") from None
     filled.pop("transformers_version", None)
     filled.update(
         model_type=family,
@@ -218,7 +219,7 @@ def tower_adapter(folder: Path, base: BaseInfo) -> tuple[Path, str, tuple[str, .
     config = _load_json_object(config_file)
     kept = sorted((renamed.get(key, key), key) for key in tensors if key not in left_out)
     if not kept:
-        raise _bad(weights, f"all {len(tensors)} LoRA tensors adapt the vision tower, which a package does not hold")
+        raise bad_file(weights, f"all {len(tensors)} LoRA tensors adapt the vision tower, which a package does not hold")
     content_hash = sha256_files((config_file, weights))
     target = cache_root() / "tower-adapters" / f"{content_hash[:32]}-v{TOWER_VERSION}"
     if not (target / "adapter_model.safetensors").is_file():

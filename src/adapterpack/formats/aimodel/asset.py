@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 from adapterpack.errors import BadInput
+from adapterpack.files import sha256_files
 from adapterpack.formats.listing import Feature, FunctionInfo, PackageFunctions
 from adapterpack.formats.metadata import METADATA_PREFIX
-from adapterpack.inputs.safetensors import sha256_files
 
 SUFFIX = ".aimodel"
 PROGRAM_FILE = "main.mlirb"

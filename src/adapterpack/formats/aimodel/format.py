@@ -46,6 +46,8 @@ AIMODEL = Format(
     suffix=".aimodel",
     title="Core AI asset",
     platforms="Core AI, iOS/macOS 27+",
+    contracts=("swift-transformers", "apple"),
+    compute_precisions=("float16", "float32"),
     libraries=("coreai-core", "coreai-torch"),
     # Core AI shares weights only between entry points converted in one session, so separate
     # jobs' assets could not be merged without storing the base again.

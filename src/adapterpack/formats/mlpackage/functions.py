@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from adapterpack.errors import BadInput
+from adapterpack.files import refuse_special_file
 from adapterpack.formats.listing import Feature, FunctionInfo, PackageFunctions
 from adapterpack.formats.mlpackage.spec import check_package_manifest, load_spec_file, spec_path
-from adapterpack.inputs.safetensors import refuse_special_file
 
 _DTYPES = {65568: "float32", 65552: "float16", 131104: "int32", 65600: "float64"}
 

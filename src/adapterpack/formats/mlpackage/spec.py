@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from adapterpack.errors import BadInput
-from adapterpack.inputs.safetensors import refuse_special_file
+from adapterpack.files import refuse_special_file
 from adapterpack.quiet import captured_output, import_coreml_proto
 
 MODEL_FOLDER = ("Data", "com.apple.CoreML")
