@@ -233,6 +233,42 @@ def test_input_grams_are_the_energies_with_their_correlations():
     assert len(distinct) == 4  # attention input, o_proj's, MLP input, down_proj's
 
 
+def test_one_pass_measures_the_energies_and_the_grams_the_two_passes_measure(tmp_path, monkeypatch):
+    """``channel_statistics`` gives ``channel_energies`` and ``input_grams`` of the same texts in one
+    forward per window, bit for bit; a clean calibrated build measures its Grams there, with the
+    energies, and never runs the base again for them on a palette worker (``input_grams``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import adapterpack.assemble.calibration as calibration
+    from adapterpack.convert.calibration import channel_energies, channel_statistics, input_grams, linear_widths
+    from adapterpack.inputs.text import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO / "base", dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(DEMO / "base")
+    texts = [tokenizer((DEMO / "calibration" / f"{name}.txt").read_text())["input_ids"][:300] for name in ("base", "zen")]
+    modules = sorted(linear_widths(model))[:9]
+    energies, grams = channel_statistics(model, texts, 128, modules)
+    assert set(energies) == set(linear_widths(model)) and set(grams) == set(modules)
+    for name, value in channel_energies(model, texts, 128).items():
+        assert np.array_equal(energies[name], value), name
+    for name, value in input_grams(model, texts, 128, modules).items():
+        assert np.array_equal(grams[name], value), name
+
+    def second_pass(*args, **kwargs):
+        raise AssertionError("the Grams were measured in a second pass over the base")
+
+    monkeypatch.setattr("adapterpack.convert.calibration.input_grams", second_pass)
+    monkeypatch.setattr(calibration, "_LAST_MEASURED", {})
+    checked = check_inputs(_manifest(tmp_path, DEMO / "base", compression="{method: palettize, nbits: 4}"))
+    importance = calibration.channel_importance(checked, Reporter())
+    assert importance.compensated
+    for module in sorted(importance.compensated):
+        gram = importance.gram(module)
+        assert gram.shape == (importance.energies[module].size,) * 2
+        np.testing.assert_allclose(np.diagonal(gram), importance.energies[module], rtol=1e-4, err_msg=module)
+
+
 def test_int4_linear_with_calibration_text_is_error_compensated(tmp_path, monkeypatch):
     """``method: linear, nbits: 4`` with calibration text writes compensated integers at
     coremltools' scales: the fused skill is still patched into the compressed base (one whole

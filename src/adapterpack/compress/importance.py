@@ -33,6 +33,20 @@ ENERGY_FLOOR = 1e-3
 GRAM_BUDGET_BYTES = 2 << 30
 
 
+def compensated_modules(in_features: dict[str, int], budget: int | None = None) -> frozenset[str]:
+    """The linear layers (module path -> input width) whose Gram matrices fit ``budget`` bytes
+    (``GRAM_BUDGET_BYTES``), narrowest first: the layers whose palettes are error-compensated."""
+    budget = GRAM_BUDGET_BYTES if budget is None else budget
+    chosen, used = [], 0
+    for name in sorted(in_features, key=lambda name: (in_features[name], name)):
+        size = 4 * in_features[name] ** 2
+        if used + size > budget:
+            break
+        chosen.append(name)
+        used += size
+    return frozenset(chosen)
+
+
 def _flat(name: str) -> str:
     return name.replace(".", "_").removesuffix("_weight")
 
@@ -64,15 +78,7 @@ class ChannelImportance:
         self._grams_lock = threading.Lock()
         self.compensated: frozenset[str] = frozenset()
         if grams is not None:
-            budget = GRAM_BUDGET_BYTES if gram_budget is None else gram_budget
-            chosen, used = [], 0
-            for name in sorted(self.energies, key=lambda name: (self.energies[name].size, name)):
-                size = 4 * self.energies[name].size ** 2
-                if used + size > budget:
-                    break
-                chosen.append(name)
-                used += size
-            self.compensated = frozenset(chosen)
+            self.compensated = compensated_modules({name: value.size for name, value in self.energies.items()}, gram_budget)
 
     def module_of(self, name: str) -> str | None:
         """The module path weight ``name`` belongs to (the longest whose flattened path ends

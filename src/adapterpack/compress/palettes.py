@@ -77,6 +77,25 @@ def _torch_threads(count: int) -> Iterator[None]:
                 torch.set_num_threads(_threads_users[1])
 
 
+@contextlib.contextmanager
+def machine_threads() -> Iterator[None]:
+    """Torch's threads as they were before the palette workers limited them, for a step a worker
+    runs that should take every core (measuring the Gram matrices a compensated palette needs
+    runs the base once, while the other worker waits on it or clusters)."""
+    import torch
+
+    with _threads_lock:
+        limited, before = _threads_users[0] > 0, torch.get_num_threads()
+        if limited:
+            torch.set_num_threads(_threads_users[1])
+    try:
+        yield
+    finally:
+        with _threads_lock:
+            if limited and _threads_users[0] > 0:
+                torch.set_num_threads(before)
+
+
 def grouped_rows(value: np.ndarray, compression: Compression) -> np.ndarray | None:
     """``value`` as one row per channel group, the way coremltools splits a linear/embedding
     weight (contiguous blocks of ``group_size`` output channels, axis 0); None if it splits it

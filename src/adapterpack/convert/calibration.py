@@ -14,32 +14,99 @@ from __future__ import annotations
 import numpy as np
 
 
+def linear_widths(model) -> dict[str, int]:
+    """{linear module path: its input width}: the layers ``channel_energies`` measures."""
+    from torch import nn
+
+    return {name: module.in_features for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
 def channel_energies(model, texts: list[list[int]], window: int) -> dict[str, np.ndarray]:
     """{linear module path: mean square of each input channel}, over ``texts`` (token ids each),
     read in windows of ``window`` tokens."""
+    return channel_statistics(model, texts, window)[0]
+
+
+def input_grams(model, texts: list[list[int]], window: int, modules: list[str]) -> dict[str, np.ndarray]:
+    """{linear module path: mean of ``x x^T`` over its inputs ``x``} (float32, (in, in)) for each
+    of ``modules``, over ``texts`` read as ``channel_energies`` reads them (whose result is these
+    matrices' diagonals). Modules fed the same tensor (a layer's q/k/v projections, its gate and
+    up projections) share one array, measured once."""
+    return channel_statistics(model, texts, window, modules, energies=False)[1]
+
+
+def channel_statistics(
+    model, texts: list[list[int]], window: int, gram_modules: list[str] | tuple[str, ...] = (), *, energies: bool = True
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``channel_energies`` and the ``input_grams`` of ``gram_modules`` in one pass over the texts:
+    a build that compensates measures both with one forward per window, where measuring the Grams
+    later cost a second forward (at 3B, 243 s on a palette worker's single thread)."""
+    totals: dict[tuple[str, str], object] = {}
+    means: dict[tuple[str, str], object] = {}
+    site_of: dict[str, str] = {}  # module -> the module whose input it shares (itself if none)
+    # The input the last hooked module was called with, held so that its memory cannot be reused
+    # by another tensor: projections of one input run one after the other (q, k, v; gate, up).
+    last: list = [None, None]  # [tensor, module]
+    handles = (_energy_hooks(model, totals, means) if energies else []) + _gram_hooks(model, set(gram_modules), totals, means, site_of, last)
+    try:
+        found = _text_means(model, texts, window, totals, means)
+    finally:
+        last[0] = None
+        for handle in handles:
+            handle.remove()
+    measured_energies = {name: value for (kind, name), value in found.items() if kind == "energy"}
+    grams = {name: found[("gram", site)] for name, site in site_of.items() if ("gram", site) in found}
+    return measured_energies, grams
+
+
+def _energy_hooks(model, totals: dict, means: dict) -> list:
+    """Hooks adding each linear layer's squared input channels into ``totals[("energy", name)]``."""
     import torch
     from torch import nn
 
     linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    totals = {name: torch.zeros(module.in_features, dtype=torch.float64) for name, module in linears.items()}
-    means = {name: torch.zeros(module.in_features, dtype=torch.float64) for name, module in linears.items()}
+    for name, module in linears.items():
+        totals["energy", name] = torch.zeros(module.in_features, dtype=torch.float64)
+        means["energy", name] = torch.zeros(module.in_features, dtype=torch.float64)
 
     def hook(name):
         def add(module, args):
             value = args[0].detach().to(torch.float64)
-            totals[name].add_((value * value).reshape(-1, value.shape[-1]).sum(dim=0))
+            totals["energy", name].add_((value * value).reshape(-1, value.shape[-1]).sum(dim=0))
 
         return add
 
-    handles = [module.register_forward_pre_hook(hook(name)) for name, module in linears.items()]
-    try:
-        return _text_means(model, texts, window, totals, means)
-    finally:
-        for handle in handles:
-            handle.remove()
+    return [module.register_forward_pre_hook(hook(name)) for name, module in linears.items()]
 
 
-def _text_means(model, texts: list[list[int]], window: int, totals: dict, means: dict) -> dict[str, np.ndarray]:
+def _gram_hooks(model, wanted: set[str], totals: dict, means: dict, site_of: dict, last: list) -> list:
+    """Hooks adding ``x^T x`` of each wanted module's input into ``totals[("gram", site)]``, once
+    per input tensor (``site``: the first wanted module fed it)."""
+    import torch
+
+    linears = {name: module for name, module in model.named_modules() if name in wanted}
+
+    def hook(name):
+        def add(module, args):
+            value = args[0]
+            if name not in site_of:
+                site_of[name] = last[1] if value is last[0] and last[1] is not None else name
+            last[0], last[1] = value, site_of[name]
+            site = site_of[name]
+            if site != name:
+                return
+            flat = value.detach().reshape(-1, value.shape[-1]).to(torch.float32)
+            if ("gram", name) not in totals:
+                totals["gram", name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float32)
+                means["gram", name] = torch.zeros_like(totals["gram", name])
+            totals["gram", name].addmm_(flat.T, flat)
+
+        return add
+
+    return [module.register_forward_pre_hook(hook(name)) for name, module in linears.items()]
+
+
+def _text_means(model, texts: list[list[int]], window: int, totals: dict, means: dict) -> dict:
     """Run ``model`` over each text in windows while hooks add into ``totals`` (zeroed per text);
     each text's totals per token count once in ``means``: the mean over texts, as numpy."""
     import torch
@@ -57,49 +124,6 @@ def _text_means(model, texts: list[list[int]], window: int, totals: dict, means:
                 means[name] += total / len(ids)
             counted += 1
     return {name: (mean / max(counted, 1)).numpy() for name, mean in means.items()}
-
-
-def input_grams(model, texts: list[list[int]], window: int, modules: list[str]) -> dict[str, np.ndarray]:
-    """{linear module path: mean of ``x x^T`` over its inputs ``x``} (float32, (in, in)) for each
-    of ``modules``, over ``texts`` read as ``channel_energies`` reads them (whose result is these
-    matrices' diagonals). Modules fed the same tensor (a layer's q/k/v projections, its gate and
-    up projections) share one array, measured once."""
-    import torch
-
-    wanted = set(modules)
-    linears = {name: module for name, module in model.named_modules() if name in wanted}
-    totals: dict[str, torch.Tensor] = {}
-    means: dict[str, torch.Tensor] = {}
-    site_of: dict[str, str] = {}  # module -> the module whose input it shares (itself if none)
-    # The input the last hooked module was called with, held so that its memory cannot be reused
-    # by another tensor: projections of one input run one after the other (q, k, v; gate, up).
-    last: list = [None, None]  # [tensor, module]
-
-    def hook(name):
-        def add(module, args):
-            value = args[0]
-            if name not in site_of:
-                site_of[name] = last[1] if value is last[0] and last[1] is not None else name
-            last[0], last[1] = value, site_of[name]
-            site = site_of[name]
-            if site != name:
-                return
-            flat = value.detach().reshape(-1, value.shape[-1]).to(torch.float32)
-            if name not in totals:
-                totals[name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float32)
-                means[name] = torch.zeros_like(totals[name])
-            totals[name].addmm_(flat.T, flat)
-
-        return add
-
-    handles = [module.register_forward_pre_hook(hook(name)) for name, module in linears.items()]
-    try:
-        shared = _text_means(model, texts, window, totals, means)
-    finally:
-        last[0] = None
-        for handle in handles:
-            handle.remove()
-    return {name: shared[site] for name, site in site_of.items() if site in shared}
 
 
 def generated_texts(model, count: int, tokens: int, seed: int, top_p: float = 1.0) -> list[list[int]]:
