@@ -256,3 +256,33 @@ def test_compensated_integers_are_kept_in_the_store_files(tmp_path):
     np.testing.assert_array_equal(plain[0], quantized(weight, setting)[0])
     eight = stored_quantized(weight, Compression(method="linear", nbits=8), "model.layer", PaletteStore(None, ChannelImportance(energies, measure)))
     np.testing.assert_array_equal(eight[0], quantized(weight, Compression(method="linear", nbits=8))[0])
+
+
+def test_a_gram_is_factored_once_for_every_weight_and_function_that_reads_it(monkeypatch):
+    """q/k/v (fed one input) and every function's fused q share one measured Gram: its factor is
+    computed once, gives the indices the Gram itself gives, bit for bit, and the Gram's matrix is
+    released once it is factored."""
+    import adapterpack.compress.compensation as compensation
+
+    weight, luts, _, seen, _ = _layer(8)
+    gram = seen.T @ seen / len(seen)
+    energies = {f"model.layers.0.self_attn.{p}_proj": (seen**2).mean(axis=0) for p in "qkv"}
+    importance = ChannelImportance(energies, lambda modules: dict.fromkeys(modules, gram))
+    made = []
+    original = compensation.GramFactor.__init__
+
+    def counted(self, matrix):
+        made.append(matrix)
+        original(self, matrix)
+
+    monkeypatch.setattr(compensation.GramFactor, "__init__", counted)
+    factors = {importance.factor(f"model.layers.0.self_attn.{p}_proj") for p in "qkvqkv"}
+    assert len(factors) == 1 and len(made) == 1 and made[0] is gram
+    assert importance.gram("model.layers.0.self_attn.k_proj") is None  # released
+    (factor,) = factors
+    np.testing.assert_array_equal(compensated_indices(weight, luts, GROUP, factor), compensated_indices(weight, luts, GROUP, gram))
+    columns = weight.shape[1] // 32
+    levels = np.broadcast_to(np.linspace(-0.2, 0.2, 15), (weight.shape[0], columns, 15)).astype(np.float32)
+    np.testing.assert_array_equal(
+        compensated_indices(weight, levels, 1, factor, block_columns=32), compensated_indices(weight, levels, 1, gram, block_columns=32)
+    )

@@ -128,7 +128,7 @@ def channel_importance(checked: CheckedInputs, reporter, cache=None) -> ChannelI
         with _base_in_float32(checked) as base:
             wanted = sorted(compensated_modules(linear_widths(base)))
             energies, measured = channel_statistics(base, list(texts.values()), calibration_window(checked), wanted)
-    importance = ChannelImportance(energies, lambda modules: {module: measured[module] for module in modules if module in measured})
+    importance = ChannelImportance(energies, grams, measured=measured)
     if cache is not None:
         files = {ENERGIES_FILE: importance.to_bytes()}
         if not checked.calibration:

@@ -42,12 +42,47 @@ SUB_BLOCK = 16
 BISECT_ENTRIES = 64
 
 
+class GramFactor:
+    """What the compensation reads of a Gram matrix: its dead channels (never excited), the column
+    order (decreasing activation energy) and the upper Cholesky factor of the damped, reordered
+    Gram's inverse. A pure function of the Gram, computed once per layer input for every weight
+    and function that reads it (q/k/v, gate/up, and each adapter's fused weights): the factor is
+    the costly part at 3072 inputs and up. The factor's upper triangle is kept packed in float64,
+    the bytes of the float32 Gram it replaces.
+
+        factor = GramFactor(gram)
+        indices = compensated_indices(weight, luts, 16, factor)
+    """
+
+    def __init__(self, gram: np.ndarray):
+        # float64 throughout: the Gram of a trained checkpoint spans ten orders of magnitude (its
+        # massive activations), and identical inputs must give identical indices on any machine.
+        hessian = torch.from_numpy(np.asarray(gram, dtype=np.float64).copy())
+        self.size = hessian.shape[0]
+        self.dead = hessian.diagonal() <= 0
+        hessian[self.dead, self.dead] = 1.0
+        self.order = torch.argsort(-hessian.diagonal(), stable=True)
+        hessian = hessian[self.order][:, self.order]
+        hessian.diagonal().add_(DAMPING * float(hessian.diagonal().mean()))
+        upper = _upper_cholesky_of_inverse(hessian)
+        self._packed = torch.cat([upper[row, row:] for row in range(self.size)])  # row by row, from the diagonal
+
+    def inverse(self) -> torch.Tensor:
+        """The upper Cholesky factor of the inverse, (in, in) float64."""
+        full = torch.zeros((self.size, self.size), dtype=torch.float64)
+        start = 0
+        for row in range(self.size):
+            full[row, row:] = self._packed[start : start + self.size - row]
+            start += self.size - row
+        return full
+
+
 def compensated_indices(
-    weight: np.ndarray, luts: np.ndarray, group_rows: int, gram: np.ndarray, *, block_columns: int | None = None
+    weight: np.ndarray, luts: np.ndarray, group_rows: int, gram: np.ndarray | GramFactor, *, block_columns: int | None = None
 ) -> np.ndarray:
     """For ``weight`` (out, in), the palette entry of every weight (uint8, (out, in)), rounding
     column by column and spreading each column's error over the columns left, by ``gram``
-    (in, in). ``luts`` (out / group_rows, entries): the palettes, one per block of
+    (in, in), or its ``GramFactor``. ``luts`` (out / group_rows, entries): the palettes, one per block of
     ``group_rows`` output channels, as stored (float16 values in float32 are exact). With
     ``block_columns``, ``luts`` is (out, in / block_columns, entries) instead: a palette per
     output channel and block of input columns (a linear quantization's levels, its scale
@@ -57,19 +92,16 @@ def compensated_indices(
         fits = luts.ndim == 2 and luts.shape[0] * group_rows == out_features
     else:
         fits = luts.ndim == 3 and luts.shape[:2] == (out_features, in_features // block_columns) and in_features % block_columns == 0
-    if gram.shape != (in_features, in_features) or not fits:
-        raise ValueError(f"weight {weight.shape}, palettes {luts.shape} ({group_rows} rows, {block_columns} columns) and a Gram of {gram.shape} do not fit")
-    # float64 throughout: the Gram of a trained checkpoint spans ten orders of magnitude (its
-    # massive activations), and identical inputs must give identical indices on any machine.
+    factor = gram if isinstance(gram, GramFactor) else None
+    gram_shape = (factor.size, factor.size) if factor is not None else np.shape(gram)
+    if gram_shape != (in_features, in_features) or not fits:
+        raise ValueError(f"weight {weight.shape}, palettes {luts.shape} ({group_rows} rows, {block_columns} columns) and a Gram of {gram_shape} do not fit")
+    factor = factor if factor is not None else GramFactor(gram)
     work = torch.from_numpy(np.asarray(weight, dtype=np.float64).copy())
-    hessian = torch.from_numpy(np.asarray(gram, dtype=np.float64).copy())
-    dead = hessian.diagonal() <= 0
-    hessian[dead, dead] = 1.0
+    dead, order = factor.dead, factor.order
     work[:, dead] = 0.0  # what a channel never excited holds does not matter; nearest is kept below
-    order = torch.argsort(-hessian.diagonal(), stable=True)
-    work, hessian = work[:, order], hessian[order][:, order]
-    hessian.diagonal().add_(DAMPING * float(hessian.diagonal().mean()))
-    inverse = _upper_cholesky_of_inverse(hessian)
+    work = work[:, order]
+    inverse = factor.inverse()
     stored = torch.from_numpy(np.asarray(luts, dtype=np.float64))
     sorted_entries = None  # one palette for every column, when large enough to bisect
     if block_columns is None:

@@ -20,8 +20,12 @@ import hashlib
 import io
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # compensation loads torch, which reading the energies does not need
+    from adapterpack.compress.compensation import GramFactor
 
 # Every channel keeps this share of the mean energy: a channel the calibration text never
 # excites still gets a palette entry's worth of attention (other text may excite it).
@@ -58,10 +62,12 @@ class ChannelImportance:
         importance = ChannelImportance(energies)     # convert.calibration.channel_energies
         rows = importance.rows("hf_model_layers_0_mlp_down_proj_weight", grouped)
         importance = ChannelImportance(energies, grams=measure)   # measure(modules) -> {module: Gram}
-        if importance.compensates(name, shape): gram = importance.gram(name)
+        if importance.compensates(name, shape): factor = importance.factor(name)
 
     ``grams`` is called at most once, when the first Gram is needed (a build whose palettes are all
-    cached never runs it), for every layer the budget admits.
+    cached never runs it), for every layer the budget admits; ``measured``: those Grams already
+    measured (with the energies), so ``grams`` is never called. Each Gram is factored once
+    (``compensation.GramFactor``) for every weight and function that reads it, and released then.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class ChannelImportance:
         energies: dict[str, np.ndarray],
         grams: Callable[[list[str]], dict[str, np.ndarray]] | None = None,
         gram_budget: int | None = None,
+        measured: dict[str, np.ndarray] | None = None,
     ):
         self.energies = {name: np.asarray(value, dtype=np.float64) for name, value in sorted(energies.items())}
         self._by_flat = {_flat(name): name for name in self.energies}
@@ -76,9 +83,15 @@ class ChannelImportance:
         self._measure_grams = grams
         self._grams: dict[str, np.ndarray] | None = None
         self._grams_lock = threading.Lock()
+        # by the id of the Gram a factor was computed from (modules fed one input share one)
+        self._site_of: dict[str, int] = {}
+        self._factors: dict[int, GramFactor] = {}
+        self._factor_locks: dict[int, threading.Lock] = {}
         self.compensated: frozenset[str] = frozenset()
-        if grams is not None:
+        if grams is not None or measured is not None:
             self.compensated = compensated_modules({name: value.size for name, value in self.energies.items()}, gram_budget)
+        if measured is not None:
+            self._keep({module: gram for module, gram in measured.items() if module in self.compensated})
 
     def module_of(self, name: str) -> str | None:
         """The module path weight ``name`` belongs to (the longest whose flattened path ends
@@ -122,14 +135,43 @@ class ChannelImportance:
 
     def gram(self, name: str) -> np.ndarray | None:
         """The Gram matrix of weight ``name``'s layer's inputs (measured for every compensated
-        layer on first use), or None when it is not compensated."""
+        layer on first use), or None when it is not compensated or was factored (``factor``)."""
         module = self.module_of(name)
         if module not in self.compensated:
             return None
         with self._grams_lock:
             if self._grams is None:
-                self._grams = self._measure_grams(sorted(self.compensated))
-        return self._grams.get(module)
+                self._keep(self._measure_grams(sorted(self.compensated)))
+            return self._grams.get(module)
+
+    def factor(self, name: str) -> GramFactor | None:
+        """What the compensation of weight ``name`` reads of its layer's Gram, or None when it is
+        not compensated: computed once per measured Gram (q/k/v share one, as gate/up do, and
+        every function's fused weights read the base's), whose matrix is released then."""
+        module = self.module_of(name)
+        if module not in self.compensated:
+            return None
+        self.gram(name)  # measured, if not yet
+        with self._grams_lock:
+            site = self._site_of.get(module)
+            if site is None:
+                return None
+            lock = self._factor_locks.setdefault(site, threading.Lock())
+        with lock:
+            if site not in self._factors:
+                from adapterpack.compress.compensation import GramFactor
+
+                with self._grams_lock:
+                    gram = self._grams[module]
+                self._factors[site] = GramFactor(gram)
+                with self._grams_lock:
+                    for shared in [m for m, s in self._site_of.items() if s == site]:
+                        self._grams.pop(shared, None)
+            return self._factors[site]
+
+    def _keep(self, grams: dict[str, np.ndarray]) -> None:
+        self._grams = dict(grams)
+        self._site_of = {module: id(gram) for module, gram in grams.items()}
 
     def digest(self, name: str) -> str | None:
         """A short digest of the importance weight ``name`` is palettized with (palette cache keys)."""

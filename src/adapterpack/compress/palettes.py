@@ -319,9 +319,9 @@ class PaletteStore:
         together: dict[tuple[int, int], list[int]] = {}
         for i in members:
             rows = shapes[i][0] // flats[i].shape[0]
-            together.setdefault((id(self.importance.gram(names[i])), rows), []).append(i)
+            together.setdefault((id(self.importance.factor(names[i])), rows), []).append(i)
         for (_, rows), stacked in together.items():
-            gram = self.importance.gram(names[stacked[0]])
+            gram = self.importance.factor(names[stacked[0]])
             weight = np.concatenate([flats[i].reshape(shapes[i]) for i in stacked])
             # the palettes as stored (float16), which the chosen entries must be nearest to
             stored = np.concatenate([luts[i] for i in stacked]).astype(np.float16).astype(np.float32)

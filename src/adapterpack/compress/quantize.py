@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from adapterpack.compress.compensation import compensated_indices
+from adapterpack.compress.compensation import GramFactor, compensated_indices
 from adapterpack.compress.palettes import PaletteStore, content_digest, pack_bits, unpack_bits
 from adapterpack.config.compression import Compression
 
@@ -40,7 +40,7 @@ def block_sizes(shape: tuple[int, ...], setting: Compression) -> list[int]:
     return sizes
 
 
-def quantized(value: np.ndarray, setting: Compression, gram: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def quantized(value: np.ndarray, setting: Compression, gram: np.ndarray | GramFactor | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """(integers as int8, float16 scale shaped as coremltools stores it) of float16 ``value``
     (out, in) under ``setting`` (``linear``, symmetric), or None where coremltools would not
     quantize it (blocks that do not tile the input channels). With ``gram`` (in, in), the
@@ -74,13 +74,13 @@ def stored_quantized(
     stored = store.files.read(key) if key is not None else None
     found = from_bytes(stored, value.shape) if stored is not None else None
     if found is None:
-        found = quantized(value, setting, gram=importance.gram(name))
+        found = quantized(value, setting, gram=importance.factor(name))
         if found is not None and key is not None:
             store.files.write(key, to_bytes(*found, setting.nbits))
     return found
 
 
-def _compensated(value: np.ndarray, scale: np.ndarray, nbits: int, gram: np.ndarray) -> np.ndarray:
+def _compensated(value: np.ndarray, scale: np.ndarray, nbits: int, gram: np.ndarray | GramFactor) -> np.ndarray:
     out_features, in_features = value.shape
     qmax = (1 << (nbits - 1)) - 1
     # one scale per (output channel, block of input columns), whatever the granularity
