@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from results import Table, machine, record  # noqa: E402  (the benchmarks' own module)
+
 PYTHON = sys.executable
 
 SHAPES = {
@@ -300,38 +303,6 @@ def size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
-def machine() -> dict:
-    """What the figures were measured on: they mean little without it."""
-    import platform
-
-    import numpy
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    memory = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal")), 0)
-    info = {
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "memory_gib": round(memory / 2**20, 1),
-        "python": platform.python_version(),
-        "numpy": numpy.__version__,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS") if k in os.environ},
-    }
-    try:
-        from threadpoolctl import threadpool_info
-
-        info["numpy_threads"] = {pool["internal_api"]: pool["num_threads"] for pool in threadpool_info()}
-    except ImportError:
-        pass
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    info["adapterpack_commit"] = commit.stdout.strip() or None
-    return info
-
-
 # `adapterpack verify` with the executor's float16 products widened in numpy (its previous way).
 # The build's disk use as before: the converted base kept in the cache beside the compressed one,
 # coremltools' temporary copy of every model it converts or compresses kept until the process
@@ -491,6 +462,8 @@ def main() -> None:
                         help="how the manifests compress: grouped (the default here, as the baseline does), default "
                              "(no compression block: what a plain manifest gets), auto (calibration text, compression: auto)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--record", metavar="NAME",
+                        help="also write benchmarks/results/NAME.json: the table the docs render, the machine and the command")
     args = parser.parse_args()
     if args.verify_only and not args.skip_baseline:
         parser.error("--verify-only times verify alone: add --skip-baseline")
@@ -500,7 +473,43 @@ def main() -> None:
         report["runs"].append(run_shape(args, shape))
         if args.json:  # written after every shape: a long run keeps what it measured
             args.json.write_text(json.dumps(report, indent=2))
+        if args.record:
+            record(args.record, {"build": build_table(report["runs"], args.settings)}, report, report["machine"])
     print(json.dumps(report["machine"], indent=2))
+
+
+SHAPE_TITLES = {"25m": "25M", "1b": "Llama-3.2-1B shape", "3b": "Llama-3.2-3B shape", "8b": "Llama-3.1-8B shape"}
+SETTINGS_TITLES = {
+    "grouped": "4-bit palettes in groups of 16, embeddings too",
+    "default": "plain manifest (no compression block)",
+    "auto": "calibration text, compression: auto",
+}
+
+
+def build_table(runs: list[dict], settings: str) -> Table:
+    """The docs' table of a run: a column per shape, what a user waits for per row."""
+
+    def timed(run: dict, key: str) -> str:
+        found = run.get(key)
+        if not isinstance(found, dict):
+            return "-"
+        return f"{found['seconds']:,.1f} s / {found['peak_rss_gib']:.2f} GiB" + ("" if found.get("finished", True) else " (cut off)")
+
+    def total(run: dict) -> str:
+        build, verify = run.get("adapterpack_full"), run.get("adapterpack_verify")
+        return f"{(build['seconds'] + verify['seconds']) / 60:.1f} min" if build and verify else "-"
+
+    rows = [
+        ["clean build: seconds / peak RSS", *(timed(r, "adapterpack_full") for r in runs)],
+        ["rebuild after one adapter changed", *(timed(r, "adapterpack_rebuild_one") for r in runs)],
+        ["`adapterpack verify` of the package", *(timed(r, "adapterpack_verify") for r in runs)],
+        ["build and verify", *(total(r) for r in runs)],
+        ["package", *(f"{r['adapterpack_bytes']:,} B" for r in runs)],
+    ]
+    if any(isinstance(r.get("baseline_full"), dict) for r in runs):
+        rows.append(["straightforward coremltools pipeline", *(timed(r, "baseline_full") for r in runs)])
+        rows.append(["clean build against it", *(f"**{r['speedup']}x faster**" if "speedup" in r else "-" for r in runs)])
+    return Table([f"4 fused adapters, {SETTINGS_TITLES[settings]}", *(SHAPE_TITLES[r["shape"]] for r in runs)], rows)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,42 @@
 """MkDocs hooks: the manifest and command-line references, generated at every docs build from
 the code itself (the manifest's pydantic schema, the typer app), so neither can drift from what
-adapterpack accepts. A page asks for one with a marker line: ``<!-- manifest-reference -->`` or
-``<!-- cli-reference -->``.
+adapterpack accepts, and benchmark tables, rendered from the results the benchmarks wrote. A page
+asks for one with a marker line: ``<!-- manifest-reference -->``, ``<!-- cli-reference -->`` or
+``<!-- benchmark: NAME TABLE -->`` (table TABLE of ``benchmarks/results/NAME.json``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+BENCHMARK_MARKER = re.compile(r"<!-- benchmark: ([\w.-]+) ([\w.-]+) -->")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     for marker, generate in {"<!-- manifest-reference -->": manifest_reference, "<!-- cli-reference -->": cli_reference}.items():
         if marker in markdown:
             markdown = markdown.replace(marker, generate())
-    return markdown
+    return BENCHMARK_MARKER.sub(lambda found: benchmark_table(found[1], found[2]), markdown)
+
+
+def benchmark_table(name: str, table: str) -> str:
+    """Table ``table`` of ``benchmarks/results/NAME.json`` in Markdown, then what measured it: the
+    command, the machine, the commit and the date. A missing result or table fails the build."""
+    result = json.loads((RESULTS / f"{name}.json").read_text())
+    found = result["tables"][table]
+    lines = ["| " + " | ".join(found["columns"]) + " |", "|" + "---|" * len(found["columns"])]
+    lines += ["| " + " | ".join(row) + " |" for row in found["rows"]]
+    machine = result["machine"]
+    lines += [
+        "",
+        f"*Measured by `{result['command']}` on {result['date']}, at commit {machine.get('adapterpack_commit') or 'unknown'}: "
+        f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, Python {machine['python']}, "
+        f"torch {machine['torch']} (`benchmarks/results/{name}.json`).*",
+    ]
+    return "\n".join(lines)
 
 
 def _type(schema: dict | bool) -> str:
