@@ -1,12 +1,15 @@
 """What reading any file a user names must check, below every stage (the formats' readers use it
 as the inputs' do): special files refused unopened, one-line messages that start with the file,
-content digests streamed.
+content digests streamed; and folders derived from inputs written whole or not at all.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from adapterpack.errors import BadInput
@@ -48,3 +51,20 @@ def refuse_special_file(file: Path, expected: str) -> None:
     so it is refused unopened."""
     if file.exists() and not file.is_dir() and not file.is_file():
         raise bad_file(file, f"is not a regular file (a FIFO, socket or device); expected {expected}")
+
+
+def written_once(folder: Path, fill: Callable[[Path], None]) -> None:
+    """``folder``, filled by ``fill(incoming)`` in a hidden sibling and renamed into place: written
+    whole or not at all (a failed fill leaves nothing behind), and another process writing the
+    same content at the same time is fine (the first to finish wins)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    incoming = folder.parent / f".{folder.name}.{uuid.uuid4().hex}"
+    incoming.mkdir()
+    try:
+        fill(incoming)
+        try:
+            os.rename(incoming, folder)
+        except OSError:  # written by another process first
+            pass
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)

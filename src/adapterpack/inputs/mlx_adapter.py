@@ -27,13 +27,12 @@ import math
 import os
 import re
 import tempfile
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from adapterpack.files import bad_file, sha256_files
+from adapterpack.files import bad_file, sha256_files, written_once
 from adapterpack.inputs.safetensors import check_finite, read_safetensors_header, tensor_data_ranges
 from adapterpack.inputs.text_tower import text_name
 
@@ -343,14 +342,9 @@ def _write_peft(target: Path, config: dict, weights: Path, tensors: dict, found:
         "base_model_name_or_path": None,
         "inference_mode": True,
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    incoming = target.parent / f".{target.name}.{uuid.uuid4().hex}"
-    incoming.mkdir()
-    save_file(state, str(incoming / "adapter_model.safetensors"))
-    (incoming / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, sort_keys=True))
-    try:
-        os.rename(incoming, target)
-    except OSError:  # another build wrote the same content first
-        import shutil
 
-        shutil.rmtree(incoming, ignore_errors=True)
+    def fill(incoming: Path) -> None:
+        save_file(state, str(incoming / "adapter_model.safetensors"))
+        (incoming / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, sort_keys=True))
+
+    written_once(target, fill)

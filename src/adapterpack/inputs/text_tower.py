@@ -27,12 +27,11 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 
 from adapterpack.config.families import check_family
 from adapterpack.errors import BadInput
-from adapterpack.files import bad_file, sha256_files
+from adapterpack.files import bad_file, sha256_files, written_once
 from adapterpack.inputs.base import TOKENIZER_JSON_FILES, BaseInfo, check_weight_shapes, os_errors_as_bad_input
 from adapterpack.inputs.safetensors import _load_json_object, read_safetensors_header, write_renamed
 
@@ -170,24 +169,7 @@ def _write_tower(base: BaseInfo, config: dict, folder: Path) -> None:
             if data is not None:
                 (incoming / name).write_bytes(data)
 
-    _written_once(folder, fill)
-
-
-def _written_once(folder: Path, fill) -> None:
-    """``folder``, filled by ``fill(incoming)`` in a hidden sibling and renamed into place:
-    written whole or not at all, and another build writing the same content at the same time
-    is fine (the first to finish wins)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    incoming = folder.parent / f".{folder.name}.{uuid.uuid4().hex}"
-    incoming.mkdir()
-    try:
-        fill(incoming)
-        try:
-            os.rename(incoming, folder)
-        except OSError:  # written by another build first
-            pass
-    finally:
-        shutil.rmtree(incoming, ignore_errors=True)
+    written_once(folder, fill)
 
 
 # peft's key prefix and the leaves a LoRA tensor name ends with
@@ -229,7 +211,7 @@ def tower_adapter(folder: Path, base: BaseInfo) -> tuple[Path, str, tuple[str, .
             write_renamed([(new, weights, old) for new, old in kept], incoming / "adapter_model.safetensors")
             (incoming / "adapter_config.json").write_text(json.dumps(renamed_config, indent=2, sort_keys=True))
 
-        _written_once(target, fill)
+        written_once(target, fill)
     warnings = ()
     if left_out:
         warnings = (f"{weights}: {len(left_out)} LoRA tensor(s) adapt the vision tower (first: {left_out[0]}), "
