@@ -16,6 +16,7 @@ peak RSS, package sizes and ratios, and the rebuild after one adapter changed (w
     .venv/bin/python benchmarks/build_time.py --shape 3b --settings default --skip-baseline --verify-only --verify-package --verify-previous
     .venv/bin/python benchmarks/build_time.py --shape 1b --skip-baseline --disk-previous    # peak disk, before and after
     .venv/bin/python benchmarks/build_time.py --shape 3b --skip-baseline --parts-previous   # parts sharing the base's blob
+    .venv/bin/python benchmarks/build_time.py --shape 1b --settings default --skip-baseline --calibration-previous
 
 Shapes: 25m (a small Llama), and the published Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B
 shapes with random float16 weights (made once under ``--work``). Each build runs in its own
@@ -362,6 +363,13 @@ main()
 """
 # The executor as it was before KV-cache updates ran in place and row palettes were gathered:
 # a copy of the whole cache on every update, numpy's indexing for every palette lookup.
+# Calibration as before: the Gram matrices measured in a forward of their own on the first palette
+# worker that needs one (one torch thread), and each Gram factored again for every tensor.
+PREVIOUS_CALIBRATION = (
+    "import sys; import adapterpack.assemble.calibration as c; import adapterpack.compress.importance as i;"
+    "c.GRAMS_WITH_ENERGIES = False; i.FACTOR_ONCE = False;"
+    "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
+)
 PREVIOUS_VERIFY = (
     "import sys; from adapterpack.verification.executor import constexpr, interpreter;"
     "interpreter.STATE_UPDATES_IN_PLACE = False; constexpr.ROW_LOOKUPS = False;"
@@ -383,6 +391,7 @@ def run_shape(args, shape: str) -> dict:
     else:
         for stale in (root / "out", root / ".adapterpack-cache"):
             shutil.rmtree(stale, ignore_errors=True)
+    if not args.verify_only and not args.calibration_previous:
         figures.update(full_and_rebuild(root, manifest, ours, verify=False))
     figures["adapterpack_bytes"] = size(ours)
     cli = str(Path(PYTHON).parent / "adapterpack")
@@ -412,6 +421,16 @@ def run_shape(args, shape: str) -> dict:
         ours_peak, before = figures["adapterpack_full"]["peak_disk_gib"], previous["adapterpack_full_whole_parts"]["peak_disk_gib"]
         figures["peak_disk_ratio_to_whole_parts"] = round(ours_peak / before, 3) if before else None
         figures["cache_ratio_to_whole_parts"] = round(figures["adapterpack_full"]["cache_gib"] / previous["adapterpack_full_whole_parts"]["cache_gib"], 3)
+    if args.calibration_previous:  # the same clean build with calibration as before (PREVIOUS_CALIBRATION)
+        for tag, launcher in (("", None), ("_calibration_as_before", [PYTHON, "-c", PREVIOUS_CALIBRATION])):
+            cli = launcher or [str(Path(PYTHON).parent / "adapterpack")]
+            output = root / "out" / f"clean{tag}.mlpackage"
+            command = [*cli, "build", str(manifest), "-o", str(output), "--quiet", "--force", "--no-verify", "--no-cache"]
+            figures[f"clean_build{tag}"] = peak_rss_of(command, None)
+        figures["calibration_speedup"] = round(figures["clean_build_calibration_as_before"]["seconds"] / figures["clean_build"]["seconds"], 2)
+        blobs = [root / "out" / f"clean{tag}.mlpackage" / "Data" / "com.apple.CoreML" / "weights" / "weight.bin" for tag in ("", "_calibration_as_before")]
+        # the Grams' sums split over another thread count may flip a rare compensated entry
+        figures["calibration_identical_weights"] = all(b.exists() for b in blobs) and blobs[0].read_bytes() == blobs[1].read_bytes()
     if args.with_verify:  # the default build verifies every function; unchanged ones keep their verdict
         figures.update(full_and_rebuild(root, manifest, root / "out" / "verified.mlpackage", verify=True))
     if args.keep:
@@ -458,6 +477,9 @@ def main() -> None:
                         help="also build with the disk use of before (PREVIOUS_DISK): peak disk side by side")
     parser.add_argument("--parts-previous", action="store_true",
                         help="also build with whole-copy parts (PREVIOUS_PARTS): peak disk and cache side by side")
+    parser.add_argument("--calibration-previous", action="store_true",
+                        help="also time two clean builds alone (no cache, no verify): as now, and with calibration as before "
+                             "(Grams measured apart on a palette worker, factored again per tensor)")
     parser.add_argument("--settings", choices=list(SETTINGS), default="grouped",
                         help="how the manifests compress: grouped (the default here, as the baseline does), default "
                              "(no compression block: what a plain manifest gets), auto (calibration text, compression: auto)")
@@ -474,7 +496,8 @@ def main() -> None:
         if args.json:  # written after every shape: a long run keeps what it measured
             args.json.write_text(json.dumps(report, indent=2))
         if args.record:
-            record(args.record, {"build": build_table(report["runs"], args.settings)}, report, report["machine"])
+            table = calibration_table(report["runs"]) if args.calibration_previous else build_table(report["runs"], args.settings)
+            record(args.record, {"build": table}, report, report["machine"])
     print(json.dumps(report["machine"], indent=2))
 
 
@@ -484,6 +507,20 @@ SETTINGS_TITLES = {
     "default": "plain manifest (no compression block)",
     "auto": "calibration text, compression: auto",
 }
+
+
+def calibration_table(runs: list[dict]) -> Table:
+    """Clean builds side by side: calibration as before and as now."""
+
+    def timed(found: dict) -> str:
+        return f"{found['seconds']:,.1f} s / {found['peak_rss_gib']:.2f} GiB"
+
+    rows = [
+        ["Grams measured apart, on a palette worker; each factored again per tensor (before)", *(timed(r["clean_build_calibration_as_before"]) for r in runs)],
+        ["Grams measured with the statistics; each factored once (now)", *(timed(r["clean_build"]) for r in runs)],
+        ["now against before", *(f"**{r['calibration_speedup']}x faster**" for r in runs)],
+    ]
+    return Table(["clean build, 4 fused adapters, plain manifest: seconds / peak RSS", *(SHAPE_TITLES[r["shape"]] for r in runs)], rows)
 
 
 def build_table(runs: list[dict], settings: str) -> Table:

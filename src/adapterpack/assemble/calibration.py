@@ -52,6 +52,10 @@ GENERATION_SEED = 0
 # on them cost 1.38x on English prose where top-p 0.9 costs 1.02x.
 GENERATION_TOP_P = 0.9
 GENERATED_FILE = "generated.npy"
+# The Gram matrices measured in the statistics' forward (False: later, in a forward of their own
+# on the first palette worker that needs one, as builds did before; benchmarks/build_time.py
+# --calibration-previous compares the two).
+GRAMS_WITH_ENERGIES = True
 # Texts the base wrote in this process, by calibration key (the Gram matrices read them again).
 _GENERATED: dict[str, list[list[int]]] = {}
 # The statistics last measured in this process, by calibration key: a build without a cache
@@ -126,9 +130,9 @@ def channel_importance(checked: CheckedInputs, reporter, cache=None) -> ChannelI
     # a palette worker's single thread (at 3B that was 243 s, against 95 s for this stage).
     with reporter.stage(f"calibration: activations and input Gram matrices of {len(texts)} text(s), {tokens:,} tokens, on the base"):
         with _base_in_float32(checked) as base:
-            wanted = sorted(compensated_modules(linear_widths(base)))
+            wanted = sorted(compensated_modules(linear_widths(base))) if GRAMS_WITH_ENERGIES else []
             energies, measured = channel_statistics(base, list(texts.values()), calibration_window(checked), wanted)
-    importance = ChannelImportance(energies, grams, measured=measured)
+    importance = ChannelImportance(energies, grams, measured=measured if GRAMS_WITH_ENERGIES else None)
     if cache is not None:
         files = {ENERGIES_FILE: importance.to_bytes()}
         if not checked.calibration:

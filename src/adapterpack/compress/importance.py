@@ -35,6 +35,10 @@ ENERGY_FLOOR = 1e-3
 # the rest keep nearest-entry palettes. SmolLM2-135M's all take 0.5 GiB; Llama-3.2-1B's but its
 # MLP down projections 1.5 GiB (each of those alone would take 0.25), so one of those fits too.
 GRAM_BUDGET_BYTES = 2 << 30
+# Each Gram factored once for every weight and function that reads it (False: the compensation
+# factors it again for each tensor it compensates, as builds did before; benchmarks/build_time.py
+# --calibration-previous compares the two).
+FACTOR_ONCE = True
 
 
 def compensated_modules(in_features: dict[str, int], budget: int | None = None) -> frozenset[str]:
@@ -144,13 +148,15 @@ class ChannelImportance:
                 self._keep(self._measure_grams(sorted(self.compensated)))
             return self._grams.get(module)
 
-    def factor(self, name: str) -> GramFactor | None:
+    def factor(self, name: str) -> GramFactor | np.ndarray | None:
         """What the compensation of weight ``name`` reads of its layer's Gram, or None when it is
         not compensated: computed once per measured Gram (q/k/v share one, as gate/up do, and
         every function's fused weights read the base's), whose matrix is released then."""
         module = self.module_of(name)
         if module not in self.compensated:
             return None
+        if not FACTOR_ONCE:
+            return self.gram(name)
         self.gram(name)  # measured, if not yet
         with self._grams_lock:
             site = self._site_of.get(module)
