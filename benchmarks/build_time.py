@@ -269,10 +269,14 @@ def stored_gib(folder: Path) -> float:
     return round(total / 2**30, 2)
 
 
-def full_and_rebuild(root: Path, manifest: Path, output: Path, *, verify: bool, launcher: list[str] | None = None, tag: str | None = None) -> dict:
+def full_and_rebuild(
+    root: Path, manifest: Path, output: Path, *, verify: bool, launcher: list[str] | None = None, tag: str | None = None, after_clean=None
+) -> dict:
     """A clean build, then a rebuild after one adapter (a2) changed, with a cache of their own;
     the clean build's peak disk (its cache and staging, beside the output) and the cache it
-    leaves. ``launcher``: how the CLI is started (default: ``adapterpack``)."""
+    leaves. ``launcher``: how the CLI is started (default: ``adapterpack``); ``after_clean()``:
+    figures taken of the clean build's package before the rebuild replaces it (its a2 then
+    differs from the manifest's)."""
     from safetensors.torch import load_file, save_file
 
     cli = launcher or [str(Path(PYTHON).parent / "adapterpack")]
@@ -285,6 +289,8 @@ def full_and_rebuild(root: Path, manifest: Path, output: Path, *, verify: bool, 
     output.parent.mkdir(parents=True, exist_ok=True)
     figures = {f"adapterpack_full{tag}": peak_rss_of(command, None, disk=output.parent)}
     figures[f"adapterpack_full{tag}"]["cache_gib"] = stored_gib(cache)
+    if after_clean is not None:
+        figures.update(after_clean())
     # A new a2 (a different B), everything else unchanged.
     weights = root / "a2" / "adapter_model.safetensors"
     original = weights.read_bytes()
@@ -391,16 +397,23 @@ def run_shape(args, shape: str) -> dict:
     else:
         for stale in (root / "out", root / ".adapterpack-cache"):
             shutil.rmtree(stale, ignore_errors=True)
-    if not args.verify_only and not args.calibration_previous:
-        figures.update(full_and_rebuild(root, manifest, ours, verify=False))
-    figures["adapterpack_bytes"] = size(ours)
     cli = str(Path(PYTHON).parent / "adapterpack")
-    if args.verify_package:  # verify alone: its own peak, apart from the build's
-        figures["adapterpack_verify"] = peak_rss_of([cli, "verify", str(ours), "--manifest", str(manifest)], None)
-        # exit 3 is a verdict (a FAIL): random weights at 4 bits fail the larger shapes' thresholds
-        figures["adapterpack_verify"]["ran_to_a_verdict"] = figures["adapterpack_verify"]["exit_code"] in (0, 3)
-        if "adapterpack_full" in figures:
-            figures["verify_over_build"] = round(figures["adapterpack_verify"]["seconds"] / figures["adapterpack_full"]["seconds"], 3)
+
+    def verified() -> dict:
+        """verify alone, of the package the manifest's adapters built: its own peak, apart from the build's."""
+        found = {"adapterpack_bytes": size(ours)}
+        if args.verify_package:
+            found["adapterpack_verify"] = peak_rss_of([cli, "verify", str(ours), "--manifest", str(manifest)], None)
+            # exit 3 is a verdict (a FAIL): random weights at 4 bits fail the larger shapes' thresholds
+            found["adapterpack_verify"]["ran_to_a_verdict"] = found["adapterpack_verify"]["exit_code"] in (0, 3)
+        return found
+
+    if not args.verify_only and not args.calibration_previous:
+        figures.update(full_and_rebuild(root, manifest, ours, verify=False, after_clean=verified))
+    else:
+        figures.update(verified())
+    if "adapterpack_verify" in figures and "adapterpack_full" in figures:
+        figures["verify_over_build"] = round(figures["adapterpack_verify"]["seconds"] / figures["adapterpack_full"]["seconds"], 3)
     if args.verify_previous:  # the same verify on the executor as before (PREVIOUS_VERIFY)
         previous = [PYTHON, "-c", PREVIOUS_VERIFY, "verify", str(ours), "--manifest", str(manifest)]
         figures["verify_copying_executor"] = peak_rss_of(previous, None)
@@ -530,7 +543,8 @@ def build_table(runs: list[dict], settings: str) -> Table:
         found = run.get(key)
         if not isinstance(found, dict):
             return "-"
-        return f"{found['seconds']:,.1f} s / {found['peak_rss_gib']:.2f} GiB" + ("" if found.get("finished", True) else " (cut off)")
+        outcome = "" if found.get("finished", True) else " (verdict: FAIL)" if found.get("exit_code") == 3 else " (cut off)"
+        return f"{found['seconds']:,.1f} s / {found['peak_rss_gib']:.2f} GiB{outcome}"
 
     def total(run: dict) -> str:
         build, verify = run.get("adapterpack_full"), run.get("adapterpack_verify")

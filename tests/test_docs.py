@@ -87,3 +87,21 @@ def test_every_command_the_docs_show_parses(page: str, command: str) -> None:
             context = group.make_context(name, list(rest), parent=context)
     except typer.Exit as done:  # --help, --version: printed, then a clean exit
         assert done.exit_code == 0
+
+
+def test_every_benchmark_table_the_docs_render_was_written_by_its_benchmark() -> None:
+    """A ``<!-- benchmark: NAME TABLE -->`` marker names a result a benchmark recorded
+    (``benchmarks/results.py``): the table, the machine it ran on, the commit, the date and a
+    command that runs a benchmark script of the repository."""
+    import json
+
+    markers = [found for page in [README, *PAGES] for found in re.findall(r"<!-- benchmark: ([\w.-]+) ([\w.-]+) -->", page.read_text())]
+    assert markers, "no page renders a benchmark result"
+    for name, table in markers:
+        result = json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())
+        assert result["benchmark"] == name and table in result["tables"]
+        columns, rows = result["tables"][table]["columns"], result["tables"][table]["rows"]
+        assert rows and all(len(row) == len(columns) for row in rows)
+        assert {"cpu", "cores", "memory_gib", "torch", "adapterpack_commit"} <= set(result["machine"])
+        script = shlex.split(result["command"])[1]
+        assert script.startswith("benchmarks/") and (REPO / script).is_file(), result["command"]

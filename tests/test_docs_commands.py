@@ -65,8 +65,10 @@ def test_what_is_not_run_is_shown_and_says_why():
 def test_every_command_a_page_shows_runs(page, demo, tmp_path):
     project = tmp_path / "checkout"
     project.mkdir()
-    for shared in (".venv", "manifests", "adapters", "models"):
+    for shared in (".venv", "adapters", "models"):  # read only
         (project / shared).symlink_to(REPO / shared)
+    # copied, not linked: a manifest's outputs resolve against its folder (../build/demo.mlpackage)
+    shutil.copytree(REPO / "manifests", project / "manifests")
     shutil.copytree(demo.output, project / "build" / "demo.mlpackage")
     shutil.copytree(demo_cache(demo), project / "build" / ".adapterpack-cache")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}

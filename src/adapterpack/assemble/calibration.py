@@ -128,7 +128,8 @@ def channel_importance(checked: CheckedInputs, reporter, cache=None) -> ChannelI
     # The Gram matrices of the layers compensated (compress.compensation) are measured in the same
     # forward: the palettes about to be made need them, and a second forward later would run on
     # a palette worker's single thread (at 3B that was 243 s, against 95 s for this stage).
-    with reporter.stage(f"calibration: activations and input Gram matrices of {len(texts)} text(s), {tokens:,} tokens, on the base"):
+    measures = "activations and input Gram matrices" if GRAMS_WITH_ENERGIES else "activations"
+    with reporter.stage(f"calibration: {measures} of {len(texts)} text(s), {tokens:,} tokens, on the base"):
         with _base_in_float32(checked) as base:
             wanted = sorted(compensated_modules(linear_widths(base))) if GRAMS_WITH_ENERGIES else []
             energies, measured = channel_statistics(base, list(texts.values()), calibration_window(checked), wanted)
