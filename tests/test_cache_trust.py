@@ -31,7 +31,12 @@ def project(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def clean(project, tmp_path_factory):
-    """A verified build with a fresh cache: (result, cache folder)."""
+    """A verified build with a fresh cache: (result, cache folder). It measures its calibration
+    whatever this process built before (the statistics of a build are reused in-process
+    otherwise, and its cache then holds no calibration entry)."""
+    from adapterpack.assemble import calibration
+
+    calibration._LAST_MEASURED.clear()
     out = tmp_path_factory.mktemp("clean")
     result = build(project / "m.yaml", output=out / "p.mlpackage", options=BuildOptions(cache_dir=out / "cache"))
     return result, out / "cache"
@@ -197,7 +202,7 @@ def test_cache_commands(project, clean, tmp_path):
     info = run_cli("cache", "info", copy, "--json")
     assert info.returncode == 0, info.stderr
     listing = json.loads(info.stdout)
-    assert {kind for kind, row in listing["kinds"].items() if row["entries"]} == {"parts", "bases", "palettes", "checks", "verdicts"}
+    assert {kind for kind, row in listing["kinds"].items() if row["entries"]} == {"parts", "bases", "palettes", "checks", "verdicts", "calibration"}
     total = sum(f.stat().st_size for f in copy.rglob("*") if f.is_file() and f.name not in (ENTRY_FILE, MARKER))
     assert listing["bytes"] == total
 
@@ -208,7 +213,7 @@ def test_cache_commands(project, clean, tmp_path):
 
     # Least recently used first: age every entry but one part, then bound the size.
     kept = part_of(copy, "chat")
-    for entry in entries(copy, "parts") + entries(copy, "bases") + entries(copy, "palettes"):
+    for entry in entries(copy, "parts") + entries(copy, "bases") + entries(copy, "palettes") + entries(copy, "calibration"):
         if entry != kept:
             os.utime(entry / ENTRY_FILE, (1, 1))
     recent = [kept, *entries(copy, "checks"), *entries(copy, "verdicts")]

@@ -30,6 +30,9 @@ NOT_RUN = {
     ("adapters.md", ".venv/bin/adapterpack build manifest.yaml"): "the reader's own mlx-lm adapter (path/to/base)",
     ("models.md", ".venv/bin/adapterpack "): "the real checkpoints' builds, minutes each (up to a quarter hour); "
     "tests/test_real_checkpoint.py and tests/test_gemma3.py build the same checkpoints and skills",
+    ("core-ai.md", ".venv/bin/adapterpack "): "the demo as an asset: verify refuses its zen (perplexity 1.06-1.08 against "
+    "its 1.05 target, as the page says), so the build and releases exit 3 and write nothing for the next commands; "
+    "tests/test_coreai.py::test_demo_builds_as_an_asset builds it with the target relaxed",
 }
 
 
