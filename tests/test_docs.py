@@ -44,23 +44,28 @@ def test_the_docs_site_builds_in_strict_mode(tmp_path) -> None:
         assert f'id="{section.lower()}"' in manifest, section
 
 
+def shell_lines(page: Path) -> list[str]:
+    """Every line of ``page``'s shell blocks, continuation lines joined."""
+    blocks = re.findall(r"```(?:sh|bash|console|shell)\n(.*?)```", page.read_text(), re.S)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+
+
 def _shown_commands() -> list[tuple[str, str]]:
     """(page, command line) of every ``adapterpack`` invocation in a shell block of the README or
     a docs page (continuation lines joined; cut at a pipe, ``&&``, ``;`` or a redirection)."""
     found = []
     for page in [README, *PAGES]:
-        for block in re.findall(r"```(?:sh|bash|console|shell)\n(.*?)```", page.read_text(), re.S):
-            for line in block.replace("\\\n", " ").splitlines():
-                lexer = shlex.shlex(line.lstrip("$ "), posix=True, punctuation_chars=True)
-                lexer.whitespace_split, lexer.commenters = True, "#"
-                words: list[str] = []
-                for token in [*lexer, ";"]:
-                    if token and set(token) <= set("|&;<>()"):
-                        if words and words[0].endswith("bin/adapterpack") or words[:1] == ["adapterpack"]:
-                            found.append((page.name, shlex.join(words)))
-                        words = []
-                    else:
-                        words.append(token)
+        for line in shell_lines(page):
+            lexer = shlex.shlex(line.lstrip("$ "), posix=True, punctuation_chars=True)
+            lexer.whitespace_split, lexer.commenters = True, "#"
+            words: list[str] = []
+            for token in [*lexer, ";"]:
+                if token and set(token) <= set("|&;<>()"):
+                    if words and words[0].endswith("bin/adapterpack") or words[:1] == ["adapterpack"]:
+                        found.append((page.name, shlex.join(words)))
+                    words = []
+                else:
+                    words.append(token)
     return found
 
 

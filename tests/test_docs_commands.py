@@ -10,7 +10,6 @@ A few commands are not run, each for the reason ``NOT_RUN`` gives; a test keeps 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from factories import demo_cache
+from test_docs import PAGES, README, shell_lines
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SETUP = "scripts/setup.sh && "  # the repository's set-up, done: CI runs it, then these tests
 
 # (page, the command's start) -> why it is not run here
@@ -39,13 +38,10 @@ NOT_RUN = {
 def shown_lines(page: Path) -> list[str]:
     """The shell lines of ``page`` that run adapterpack, as written (continuations joined)."""
     found = []
-    for block in re.findall(r"```(?:sh|bash|console|shell)\n(.*?)```", page.read_text(), re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.strip().removeprefix("$ ")
-            if line.startswith(SETUP):
-                line = line.removeprefix(SETUP)
-            if line.startswith(".venv/bin/adapterpack") or line.startswith("adapterpack "):
-                found.append(line)
+    for line in shell_lines(page):
+        line = line.strip().removeprefix("$ ").removeprefix(SETUP)
+        if line.startswith(".venv/bin/adapterpack") or line.startswith("adapterpack "):
+            found.append(line)
     return found
 
 
@@ -53,12 +49,13 @@ def _not_run(page: str, line: str) -> str | None:
     return next((why for (where, start), why in NOT_RUN.items() if where == page and line.startswith(start)), None)
 
 
-RUN = {page.name: [line for line in shown_lines(page) if _not_run(page.name, line) is None] for page in PAGES}
+BY_NAME = {page.name: page for page in [README, *PAGES]}
+RUN = {name: [line for line in shown_lines(page) if _not_run(name, line) is None] for name, page in BY_NAME.items()}
 
 
 def test_what_is_not_run_is_shown_and_says_why():
     for (page, start), why in NOT_RUN.items():
-        assert any(line.startswith(start) for line in shown_lines(REPO / ("README.md" if page == "README.md" else f"docs/{page}"))), (page, start)
+        assert any(line.startswith(start) for line in shown_lines(BY_NAME[page])), (page, start)
         assert why
     assert sum(len(lines) for lines in RUN.values()) >= 30
 

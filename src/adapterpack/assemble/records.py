@@ -90,7 +90,7 @@ def _logged_stage(label: str) -> Iterator[None]:
 def _flag(default, flag: str, help: str, *, negates: bool = False):
     """A field of ``BuildOptions`` and the command-line flag that sets it (``negates``: the flag
     sets the field to False, ``--no-verify`` for ``verify``); the CLI generates its flags from
-    these (``cli.options``), so a field, its flag and its help are declared once."""
+    these (``cli.flags``), so a field, its flag and its help are declared once."""
     return field(default=default, metadata={"flag": flag, "help": help, "negates": negates})
 
 

@@ -66,8 +66,6 @@ _NONFINITE_BITS: dict[str, tuple[type[np.unsignedinteger], int, int]] = {
 }
 
 
-
-
 _T = TypeVar("_T")
 
 
