@@ -65,9 +65,9 @@ ADAPTERS = ("a1", "a2", "a3", "a4")
 
 # How each manifest compresses (``--settings``): "grouped", everything palettized in groups of 16,
 # embeddings included, exactly as the baseline does it; "default", no compression block at all,
-# what a user who writes the plain manifest gets (data-free 4-bit palettes, one per output
-# channel; embeddings float16); "auto", calibration text beside the base and every adapter and
-# ``compression: auto``, what the docs recommend for quality.
+# what a user who writes the plain manifest gets (4-bit palettes, one per output channel,
+# compensated on text the base writes itself; embeddings float16); "auto", calibration text
+# beside the base and every adapter and ``compression: auto``, what the docs recommend for quality.
 SETTINGS = {
     "grouped": "compression: {method: palettize, nbits: 4, granularity: per_grouped_channel, group_size: 16, keep_float16: []}\n",
     "default": "",
@@ -85,7 +85,7 @@ def make_inputs(root: Path, shape: str, lora: str = "fuse", settings: str = "gro
     calibration = ""
     if settings == "auto":
         text = root / "calibration.txt"
-        text.write_text((REPO / "src" / "adapterpack" / "verify" / "english_sample.txt").read_text())
+        text.write_text((REPO / "src" / "adapterpack" / "verification" / "english_sample.txt").read_text())
         calibration = f", calibration: {text.name}"
     adapters = "".join(f"  - {{name: {n}, path: {n}{calibration}}}\n" for n in ADAPTERS)
     suffix = "".join(f"-{part}" for part in (lora, settings) if part not in ("fuse", "grouped"))
