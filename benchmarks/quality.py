@@ -112,8 +112,8 @@ def compressed_weights(model, compression, importance=None) -> tuple[dict, int]:
     ``weight_bytes``."""
     import torch
 
-    from adapterpack.compress.coreai_weights import CoreAIWeights
     from adapterpack.compress.palettes import PaletteStore
+    from adapterpack.formats.aimodel.weights import CoreAIWeights
 
     total = weight_bytes(model, compression)
     if compression.method == "none":
@@ -147,9 +147,9 @@ def embedding_weights(model, label: str) -> tuple[dict, int]:
     import torch
     from torch import nn
 
-    from adapterpack.compress.coreai_weights import CoreAIWeights
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.compression import Compression, compressed_bytes, weight_setting
+    from adapterpack.formats.aimodel.weights import CoreAIWeights
 
     compression = Compression(**COMPRESSIONS[label], keep_float16=())
     name, embedding = next((n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding))

@@ -10,7 +10,7 @@ import pytest
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
 from adapterpack.errors import BadInput
-from adapterpack.verification.coreai_engine import PipelinedEngine, SequentialEngine, check_signature
+from adapterpack.formats.aimodel.engine import PipelinedEngine, SequentialEngine, check_signature
 from adapterpack.verification.drives import APPLE_DRIVES, run_drive, verification_tokens
 from adapterpack.verification.reference import random_references
 from adapterpack.verification.runners import function_sessions
@@ -250,7 +250,7 @@ def test_a_release_has_a_bundle_per_function_that_runs_as_peft_computes(apple_re
     function; the emulated engine runs that function there as the unmerged peft reference does."""
     import json
 
-    from adapterpack.distribution.apple import BundleMetadata, load_bundle
+    from adapterpack.formats.aimodel.bundle import BundleMetadata, load_bundle
     from adapterpack.inputs.checked import check_inputs
 
     manifest, released = apple_release
@@ -279,7 +279,7 @@ def test_a_release_has_a_bundle_per_function_that_runs_as_peft_computes(apple_re
 def test_the_bundle_schema_refuses_what_the_swift_decoders_refuse(tmp_path):
     import json
 
-    from adapterpack.distribution.apple import bundle_metadata_schema, load_bundle
+    from adapterpack.formats.aimodel.bundle import bundle_metadata_schema, load_bundle
 
     schema = bundle_metadata_schema()
     assert set(schema["required"]) == {"metadata_version", "kind", "name", "assets", "language"}

@@ -57,7 +57,7 @@ def test_the_estimate_counts_what_the_rule_compresses():
 def test_the_core_ai_writer_replaces_what_the_rule_compresses():
     import torch
 
-    from adapterpack.compress.coreai_weights import CoreAIWeights
+    from adapterpack.formats.aimodel.weights import CoreAIWeights
 
     model = torch.nn.Module()
     for name, shape in SHAPES.items():

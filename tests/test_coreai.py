@@ -138,7 +138,7 @@ def test_each_compression_method_maps_to_core_ai_ops(tmp_path):
     root = make_project(tmp_path, COMPRESSED, {"a": dict(std=0.1), "b": dict(std=0.1, seed=3)})
     result = build(root / "m.yaml", options=BuildOptions(use_cache=False))
     assert result.verify_report.passed, result.verify_report.verdict()
-    from adapterpack.report.asset import inspect_asset
+    from adapterpack.formats.aimodel.inspection import inspect_asset
 
     report = inspect_asset(result.output)
     # palettized base (6-bit), linear int8/int4 and pruned functions, each decompressed by its op
@@ -318,7 +318,7 @@ def test_the_cpu_runtime_accumulates_float16_products_in_float16(tmp_path):
     from coreai.authoring.asset import AIModelAsset, OSVersion
     from coreai.runtime import NDArray
 
-    from adapterpack.convert.coreai import import_coreai_torch
+    from adapterpack.formats.aimodel.conversion import import_coreai_torch
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(384, 64, bias=False).half().eval().requires_grad_(False)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from adapterpack.assemble.pipeline import WHOLE_WRITERS
 from adapterpack.config.manifest import PACKAGE_FORMATS, Export
 from adapterpack.errors import BadInput
 from adapterpack.formats.registry import FORMATS, NAMES, named, of_output, of_package
-from adapterpack.report.asset import INSPECTORS
+from adapterpack.report.inspectors import INSPECTORS
 from adapterpack.verification.runners import SESSIONS
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "adapterpack"
@@ -45,6 +46,7 @@ def test_what_a_format_takes_is_its_registry_entrys(monkeypatch):
 def test_every_format_is_complete(name):
     package_format = FORMATS[name]
     assert package_format in INSPECTORS
+    assert package_format.fans_out or name in WHOLE_WRITERS
     assert (package_format.runtime or "numpy") in SESSIONS
     assert named(name) is package_format and of_output(f"x/y{package_format.suffix}") is package_format
     intro = package_format.card.introduction(f"n{package_format.suffix}", "hub/base", 64, "iOS18")
@@ -103,3 +105,50 @@ def test_a_saved_model_leaves_no_temporary_package(tmp_path):
     spec = load_spec_file(spec_path(tmp_path / "m.mlpackage"))
     assert spec.description.metadata.userDefined["written"] == "after conversion"
     assert (tmp_path / "m.mlpackage" / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").stat().st_size > 64 * 64 * 2
+
+
+def _layered_modules() -> set[str]:
+    """Every module the import contracts place: the stages' layers and each room's own layers."""
+    import tomllib
+
+    contracts = tomllib.loads((SOURCE.parents[1] / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    placed = set()
+    for contract in contracts:
+        if contract["type"] != "layers":
+            continue
+        for container in contract.get("containers", [""]):
+            for layer in contract["layers"]:
+                for name in re.split(r"[|:]", layer):
+                    placed.add(f"{container}.{name.strip()}" if container else name.strip())
+    return placed
+
+
+def test_every_module_of_a_format_sits_in_a_declared_layer():
+    """A format's room spans the stages it serves (its writer beside assemble, its conversion
+    over convert...), so the import contracts name its modules one by one: a module added to a
+    room, or to the formats package, must be given its layer or the import contracts would not
+    check it."""
+    placed = _layered_modules()
+    unplaced = []
+    for file in (SOURCE / "formats").rglob("*.py"):
+        parts = ["adapterpack", *file.relative_to(SOURCE).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            continue
+        if not any(".".join(parts[:n]) in placed for n in range(3, len(parts) + 1)):
+            unplaced.append(".".join(parts))
+    assert not unplaced, f"add to pyproject.toml's import-linter layers: {unplaced}"
+
+
+def test_the_adding_a_format_page_names_every_table_and_room_module():
+    """docs/adding-a-format.md: each registration table it lists exists where it says, and its
+    table of the Core AI room names exactly the room's modules."""
+    import importlib
+
+    page = (SOURCE.parents[1] / "docs" / "adding-a-format.md").read_text()
+    tables = re.findall(r"^\| `([A-Z_]+)` \| `([\w/]+)\.py` \|", page, re.M)
+    assert {name for name, _ in tables} == {"FORMATS", "WHOLE_WRITERS", "SESSIONS", "INSPECTORS"}
+    for name, module in tables:
+        assert hasattr(importlib.import_module("adapterpack." + module.replace("/", ".")), name), (name, module)
+    listed = set(re.findall(r"^\| `(\w+)\.py` \|", page, re.M))
+    room = {f.stem for f in (SOURCE / "formats" / "aimodel").glob("*.py") if f.stem != "__init__"}
+    assert listed == room

@@ -318,7 +318,7 @@ def test_a_compressed_scaled_embedding_verifies_in_both_formats(tmp_path, packag
     """Gemma's scaled, tied embedding stored as 8-bit palettes (the default for its share) is
     looked up, scaled and used as the output head as its reference computes, in both formats."""
     from adapterpack.assemble.pipeline import build
-    from adapterpack.report.asset import inspect_either
+    from adapterpack.report.inspectors import inspect_either
 
     manifest = _wide_vocabulary_project(tmp_path, "{method: palettize, nbits: 4, group_size: 16}", package_format)
     result = build(manifest, output=tmp_path / f"p.{package_format}")

@@ -39,6 +39,8 @@ from adapterpack.config.devices import lora_float16_bytes
 from adapterpack.config.manifest import Manifest
 from adapterpack.config.paths import refuse_overlap, resolved
 from adapterpack.errors import BadInput, VerificationFailed, warn_or_refuse
+from adapterpack.formats.aimodel.format import AIMODEL
+from adapterpack.formats.aimodel.writer import build_asset
 from adapterpack.formats.format import Format
 from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path
 from adapterpack.formats.registry import named, of_package
@@ -140,9 +142,12 @@ def _write_in_parts(plan: Plan, staged: Path, options: BuildOptions, reporter: R
 
 def _write_whole(plan: Plan, staged: Path, options: BuildOptions, reporter: Reporter) -> Written:
     """Every function written into ``staged`` by one converter session (build cache: palettes only)."""
-    from adapterpack.assemble.aimodel import build_asset
+    return Written(functions=WHOLE_WRITERS[plan.format.name](plan.checked, staged, reporter, cache=plan.cache))
 
-    return Written(functions=build_asset(plan.checked, staged, reporter, cache=plan.cache))
+
+# A format written whole (``Format.fans_out`` False) -> its writer: (checked inputs, target,
+# reporter, cache=) -> each function's provenance.
+WHOLE_WRITERS = {AIMODEL.name: build_asset}
 
 
 def _verified(plan: Plan, staged: Path, written: Written, options: BuildOptions, reporter: Reporter):

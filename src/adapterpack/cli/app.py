@@ -44,7 +44,7 @@ from adapterpack.errors import EXIT_CODES, BadInput, VerificationFailed
 from adapterpack.formats.metadata import strict_json
 from adapterpack.formats.registry import read_functions
 from adapterpack.inputs.checked import check_inputs, check_layer_exceptions, check_state_sizes
-from adapterpack.report.asset import inspect_either
+from adapterpack.report.inspectors import inspect_either
 from adapterpack.report.memory import budget_rows, inspection_json, memory_estimate
 from adapterpack.report.swift import expectation_diff, swift_enum
 from adapterpack.verification.runners import check_backend

@@ -24,6 +24,7 @@ from adapterpack.assemble.parts import place
 from adapterpack.config.names import swift_case_name
 from adapterpack.errors import BadInput
 from adapterpack.files import sha256_files
+from adapterpack.formats.aimodel.bundle import write_apple_bundles
 from adapterpack.formats.registry import read_functions
 from adapterpack.report.memory import human_size
 from adapterpack.report.swift import swift_enum
@@ -74,7 +75,6 @@ def write_bundle(folder: Path, checked, result, package: Path, *, eval_report=No
     (folder / f"{SWIFT_TYPE}.swift").write_text(swift_enum(listing, SWIFT_TYPE) + "\n")
     # Only a Core AI asset can follow Apple's contract (config.manifest.Export.check_for_format).
     if checked.manifest.export.contract == "apple":
-        from adapterpack.distribution.apple import write_apple_bundles
         from adapterpack.inputs.checked import hf_name
 
         write_apple_bundles(
@@ -212,7 +212,7 @@ def _evaluation_section(eval_report) -> list[str]:
 
 def _memory_section(result) -> list[str]:
     from adapterpack.config.devices import DEVICES
-    from adapterpack.report.asset import inspect_either
+    from adapterpack.report.inspectors import inspect_either
     from adapterpack.report.memory import budget_rows, memory_estimate
 
     lines: list[str] = []

@@ -11,8 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adapterpack.formats.listing import PackageFunctions
+
+if TYPE_CHECKING:  # numpy loads with the first function that runs, not with the CLI
+    import numpy as np
+
+# A session of one function, as a runtime gives it: (inputIds, causalMask) -> logits (tokens,
+# vocab), each call reading and updating the session's state.
+Predict = Callable[["np.ndarray", "np.ndarray"], "np.ndarray"]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,6 @@ PyTorch reference holding the package's own weights, and its quality, those weig
 float32 reference, on real text."""
 
 __all__ = [
-    "coreai_engine", "drives", "executor", "metrics", "own_weights", "package", "ranges", "reference", "reports",
+    "drives", "executor", "metrics", "own_weights", "package", "ranges", "reference", "reports",
     "runners", "texts",
 ]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from adapterpack.config.manifest import VerifySettings
+from adapterpack.formats.format import Predict
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def verification_tokens(vocab_size: int, settings: VerifySettings) -> np.ndarray
 # How real clients call a function (see export_decoder): each drive is a prefill of the first
 # tokens, then one call per further token through the same state.
 DRIVES = ("swift", "python")
-# An asset of Apple's contract (verification.coreai_engine): the Swift engine sends a prompt in one call
+# An asset of Apple's contract (formats.aimodel.engine): the Swift engine sends a prompt in one call
 # (up to its chunk threshold) or in chunks (past it), then one token per call. Its sessions send
 # the position ids themselves, so the masks these drives pass are not sent.
 APPLE_DRIVES = ("apple", "apple-chunked")
@@ -75,9 +76,6 @@ def run_drive(predict, tokens: np.ndarray, prefill: int, drive: str) -> np.ndarr
         step = tokens[end - 1 : end].astype(np.int32)[None, :]
         outputs.append(predict(step, drive_mask(style, end - 1, 1)))
     return np.concatenate([o.reshape(1, -1, o.shape[-1]) for o in outputs], axis=1)[0].astype(np.float32)
-
-
-Predict = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (inputIds, causalMask) -> logits
 
 
 def run_drives(

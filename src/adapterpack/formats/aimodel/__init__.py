@@ -1,3 +1,8 @@
-"""The Core AI ``.aimodel``: reading an asset (``asset``) and the format's description (``format``)."""
+"""The Core AI ``.aimodel``, everything about it in one place: the format's description
+(``format``), reading an asset (``asset``), converting functions into one program in one
+converter session (``conversion``), compressed weights as Core AI ops (``weights``), the writer
+(``writer``), running an asset as its clients do (``runtime``, with Apple's Swift engine
+emulated in ``engine``), what ``inspect`` reports of it (``inspection``) and the bundles Apple's
+Swift runtime loads (``bundle``). docs/development.md says which layer each module sits in."""
 
-__all__ = ["asset", "format"]
+__all__ = ["asset", "bundle", "conversion", "engine", "format", "inspection", "runtime", "weights", "writer"]

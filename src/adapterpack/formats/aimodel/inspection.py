@@ -16,11 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from adapterpack.formats.aimodel import asset as aimodel
-from adapterpack.formats.aimodel.format import AIMODEL
 from adapterpack.formats.metadata import METADATA_PREFIX
-from adapterpack.formats.mlpackage.format import MLPACKAGE
-from adapterpack.formats.registry import of_package, read_functions
-from adapterpack.report.inspect import ModelShape, PackageReport, inspect_package
+from adapterpack.report.inspect import ModelShape
 
 # Core AI ops that decompress a stored constant, by the manifest's method they carry out.
 COMPRESSED_OPS = {"lut_to_dense": "palettize", "blockwise_shift_scale": "linear", "sparse_with_bitmask_to_dense": "prune"}
@@ -88,7 +85,7 @@ def _shape(report_states: list, metadata: dict[str, str]) -> ModelShape | None:
         if name not in ("keyCache", "valueCache")
     )
     sizes = json.loads(metadata.get(METADATA_PREFIX + "shape", "{}"))
-    # The asset's cache has a slot no call reaches (convert.coreai): the context is one less ...
+    # The asset's cache has a slot no call reaches (formats.aimodel.conversion): the context is one less ...
     max_context = int(metadata.get(METADATA_PREFIX + "maxContext", dims[3] - 1))
     spare_slots = dims[3] - max_context
     return ModelShape(
@@ -106,15 +103,10 @@ def _shape(report_states: list, metadata: dict[str, str]) -> ModelShape | None:
     )
 
 
-def inspect_either(path: Path | str) -> AssetReport | PackageReport:
-    """The inspection of a package of any format (``INSPECTORS``)."""
-    return INSPECTORS[of_package(path)](path)
-
-
 def inspect_asset(path: Path | str) -> AssetReport:
     """Entry points, storage and memory needs of a ``.aimodel``; BadInput when unreadable."""
     path = Path(path)
-    listing = read_functions(path)
+    listing = aimodel.asset_functions(path)
     statistics = aimodel.asset_summary(path, statistics=True)
     described = json.loads(listing.metadata.get(METADATA_PREFIX + "functions", "{}"))
     files = {f.relative_to(path).as_posix(): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
@@ -148,6 +140,3 @@ def inspect_asset(path: Path | str) -> AssetReport:
         shape=_shape(listing.functions[0].states, listing.metadata),
     )
 
-
-# Format -> what accounts for a package of it.
-INSPECTORS = {MLPACKAGE: inspect_package, AIMODEL: inspect_asset}

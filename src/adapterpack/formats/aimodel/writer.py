@@ -3,8 +3,8 @@
 Shares everything before the writing with the ``.mlpackage`` build (manifest, checked inputs,
 fusing with peft, the export wrapper, the palettes and their cache) and everything after it
 (verification, metadata). What differs is the converter: all functions go through one Core AI
-converter session (``convert.coreai.AssetSession``), each compressed in torch
-(``compress.coreai_weights``), the base's compressed weights made once and shared.
+converter session (``formats.aimodel.conversion.AssetSession``), each compressed in torch
+(``formats.aimodel.weights``), the base's compressed weights made once and shared.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def _asset_metadata(checked: CheckedInputs, records: list[PartRecord]) -> tuple[
 def build_asset(checked: CheckedInputs, target: Path, reporter: Reporter, *, cache=None) -> list[FunctionProvenance]:
     """Write ``target`` (a ``.aimodel``): one entry point per function of ``checked``'s manifest."""
     from adapterpack.assemble.cache import FolderPalettes
-    from adapterpack.compress.coreai_weights import CoreAIWeights
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.convert.base_model import load_base, stored_weight_reader
-    from adapterpack.convert.coreai import AssetSession, swapped_modules
     from adapterpack.convert.lora import applied_adapter
+    from adapterpack.formats.aimodel.conversion import AssetSession, swapped_modules
+    from adapterpack.formats.aimodel.weights import CoreAIWeights
 
     manifest = checked.manifest
     names = manifest.function_names

@@ -25,7 +25,7 @@ Read from apple/coreai-models at 86b363d (``swift/Sources``):
   sliding_cache or fixed), all optional.
 - ``CoreAILanguageModels/LanguageModel/CoreAIRunner.swift``: the function run is
   ``function_map["main"][0]``, else ``main``; ``max_context_length`` bounds the caches the
-  engine grows (``verification.coreai_engine``).
+  engine grows (``formats.aimodel.engine``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from adapterpack.errors import BadInput
 
 METADATA_VERSION = "0.2"
 METADATA_FILE = "metadata.json"
@@ -121,8 +123,6 @@ def load_bundle(folder: Path) -> tuple[Path, str, int, Path | None]:
     ``CoreAIRunner.makeConfig``): (the asset, the function it runs, the most tokens its caches
     hold, the embedded tokenizer folder or None). Bad input where the Swift decoders throw."""
     from pydantic import ValidationError
-
-    from adapterpack.errors import BadInput
 
     if folder.suffix in (".aimodel", ".aimodelc"):
         raise BadInput(f"{folder}: a model asset, not a model bundle directory (BundleError.pointedAtModelAsset)")
