@@ -144,7 +144,7 @@ import numpy as np, torch
 sys.path.insert(0, sys.argv[3])
 from adapterpack.quiet import captured_output
 from adapterpack.convert.export_decoder import ExportDecoder
-from adapterpack.convert.coreml import STATE_NAMES
+from adapterpack.formats.mlpackage.conversion import STATE_NAMES
 sys.path.insert(0, sys.argv[4])
 from palettize_throughput import install_kmeans1d_shim
 with captured_output():
@@ -318,7 +318,7 @@ PREVIOUS_DISK = """
 import io, sys
 import numpy as np
 import adapterpack.assemble.builder as builder
-import adapterpack.compress.model as model
+import adapterpack.formats.mlpackage.weights as model
 import adapterpack.compress.palettes as palettes
 import adapterpack.formats.mlpackage.spec as spec
 from adapterpack.quiet import captured_output
@@ -377,7 +377,7 @@ PREVIOUS_CALIBRATION = (
     "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
 )
 PREVIOUS_VERIFY = (
-    "import sys; from adapterpack.verification.executor import constexpr, interpreter;"
+    "import sys; from adapterpack.formats.mlpackage.executor import constexpr, interpreter;"
     "interpreter.STATE_UPDATES_IN_PLACE = False; constexpr.ROW_LOOKUPS = False;"
     "from adapterpack.cli.app import main; sys.argv[0] = 'adapterpack'; main()"
 )

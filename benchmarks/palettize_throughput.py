@@ -103,8 +103,8 @@ def main() -> None:
     ct = coremltools_with_sklearn()
     from coremltools.optimize import coreml as cto
 
-    from adapterpack.compress.model import compress_model
     from adapterpack.config.compression import Compression
+    from adapterpack.formats.mlpackage.weights import compress_model
 
     install_kmeans1d_shim()
     params = args.layers * args.size * args.size

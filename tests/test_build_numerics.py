@@ -14,7 +14,7 @@ import pytest
 
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
-from adapterpack.verification.executor import ProgramExecutor
+from adapterpack.formats.mlpackage.executor import ProgramExecutor
 from factories import FAMILY_ADAPTERS, make_adapter, make_base
 
 

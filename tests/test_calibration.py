@@ -276,18 +276,18 @@ def test_int4_linear_with_calibration_text_is_error_compensated(tmp_path, monkey
     keeps more of what its adapter does and agrees more often with its float reference than the
     same build with no statistics at all. (Its perplexity ratio is within 1% of 1 either way on
     this small model: on a real checkpoint, docs/compression.md.)"""
-    import adapterpack.compress.model
+    import adapterpack.formats.mlpackage.weights
     from adapterpack.assemble.pipeline import build
     from adapterpack.assemble.records import BuildOptions
 
     compressed = []
-    compress_package = adapterpack.compress.model.compress_package
+    compress_package = adapterpack.formats.mlpackage.weights.compress_package
 
     def counted(source, target, *args, **kwargs):
         compressed.append(target)
         return compress_package(source, target, *args, **kwargs)
 
-    monkeypatch.setattr(adapterpack.compress.model, "compress_package", counted)
+    monkeypatch.setattr(adapterpack.formats.mlpackage.weights, "compress_package", counted)
     figures = {}
     for label in ("data-free", "data-aware"):
         root = tmp_path / label

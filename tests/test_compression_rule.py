@@ -74,8 +74,8 @@ def test_the_core_ai_writer_replaces_what_the_rule_compresses():
 def test_the_core_ml_writer_compresses_what_the_rule_compresses():
     """A program whose constants have the shapes above, palettized by ``compress_model``: the
     constants coremltools turned into lookup tables are the ones the rule names."""
-    from adapterpack.compress.model import compress_model
     from adapterpack.compress.palettes import PaletteStore
+    from adapterpack.formats.mlpackage.weights import compress_model
     from adapterpack.quiet import captured_output, import_coremltools
 
     ct = import_coremltools()

@@ -11,7 +11,7 @@ import pytest
 
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
-from adapterpack.verification.executor import ProgramExecutor
+from adapterpack.formats.mlpackage.executor import ProgramExecutor
 from factories import demo_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_demo_keep_mode_stores_the_base_once(tmp_path):
     """Three unfused skills weigh little more than the base alone: the base weights are shared."""
     import yaml
 
-    from adapterpack.report.inspect import inspect_package
+    from adapterpack.formats.mlpackage.inspection import inspect_package
 
     keep = build(REPO / "manifests" / "demo-keep.yaml", output=tmp_path / "keep.mlpackage", options=BuildOptions(cache_dir=tmp_path / "c"))
     data = yaml.safe_load((REPO / "manifests" / "demo-keep.yaml").read_text())

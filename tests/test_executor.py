@@ -1,4 +1,4 @@
-"""Tests for the numpy ML Program executor (``adapterpack.verification.executor``).
+"""Tests for the numpy ML Program executor (``adapterpack.formats.mlpackage.executor``).
 
 Every supported op gets a tiny MIL program that is converted, saved as an ``.mlpackage`` and run
 back through the executor, so the whole path (proto serialization, milproto loading, blob
@@ -23,7 +23,7 @@ ct = pytest.importorskip("coremltools")
 from coremltools.converters.mil import Builder as mb  # noqa: E402
 from coremltools.converters.mil.mil import Function, Program, types  # noqa: E402
 
-from adapterpack.verification.executor import SUPPORTED_OPS, ProgramExecutor, UnsupportedOp  # noqa: E402
+from adapterpack.formats.mlpackage.executor import SUPPORTED_OPS, ProgramExecutor, UnsupportedOp  # noqa: E402
 
 IOS18 = ct.target.iOS18
 IOS16 = ct.target.iOS16
@@ -556,7 +556,7 @@ def test_cache_updates_never_change_what_another_reader_sees(reader: str, tmp_pa
 def test_kv_cache_updates_in_place_compute_what_copies_compute(llama, monkeypatch) -> None:
     """A decoder's cache updates write into the cache (no copy of it per layer) and give the
     logits and states that copying updates give."""
-    from adapterpack.verification.executor import interpreter
+    from adapterpack.formats.mlpackage.executor import interpreter
 
     path, ids, _ = llama
     ex = ProgramExecutor.load(path)
@@ -661,7 +661,7 @@ def test_row_palettes_are_looked_up_as_indexing_does(shape, blocks, chunk, monke
     """Palettes splitting the first axis only (per channel, per group of channels, per tensor)
     are looked up by a gather along rows, a chunk at a time (chunks that split a group of rows
     included): each weight is its palette's entry, as numpy's indexing picks it."""
-    from adapterpack.verification.executor import constexpr
+    from adapterpack.formats.mlpackage.executor import constexpr
 
     monkeypatch.setattr(constexpr, "GATHER_CHUNK_VALUES", chunk)
     indices = rng.integers(0, 16, shape).astype(np.uint8)
@@ -770,7 +770,7 @@ def test_unsupported_op_names_op_and_function(tmp_path: Path) -> None:
 def test_declared_type_that_lies_is_refused(tmp_path: Path) -> None:
     """``torch.where`` on scalars under a flexible shape: coremltools declares ``select``'s result
     rank 0 while it computes a matrix. The device compiles the declared types; so must we check."""
-    from adapterpack.verification.executor import DeclaredTypeMismatch
+    from adapterpack.formats.mlpackage.executor import DeclaredTypeMismatch
 
     class ScalarWhere(torch.nn.Module):
         def forward(self, x):
@@ -836,8 +836,8 @@ def _tiny_llama():
 
 def convert_decoder(hf_model, path: Path) -> None:
     """ExportDecoder -> Core ML exactly as the packaging pipeline does it (fp16, its states)."""
-    from adapterpack.convert.coreml import STATE_NAMES
     from adapterpack.convert.export_decoder import ExportDecoder
+    from adapterpack.formats.mlpackage.conversion import STATE_NAMES
 
     dec = ExportDecoder(hf_model, MAX_CONTEXT).eval()
     with torch.no_grad():
@@ -956,7 +956,7 @@ def test_float16_products_are_the_float32_products_rounded_once() -> None:
     sum rounded to float16 once, as the numpy path gives it; they may differ in the last place
     only where the two sum in different orders. A product past float16's range comes back in
     float32, so that the overflow is reported with its size."""
-    from adapterpack.verification.executor import linalg
+    from adapterpack.formats.mlpackage.executor import linalg
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 7, 256)).astype(np.float16)
@@ -1022,7 +1022,7 @@ def test_other_families_end_to_end(family: str, tmp_path: Path) -> None:
 def test_large_float16_weights_are_widened_in_slices_with_the_same_result(op, monkeypatch) -> None:
     """A float16 weight past WIDEN_SLICE_VALUES is multiplied a slice of rows at a time (a 3B
     lm_head widened whole would hold 1.6 GB); the products are those of the whole weight."""
-    from adapterpack.verification.executor import linalg
+    from adapterpack.formats.mlpackage.executor import linalg
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 5, 64)).astype(np.float32)  # float32 activations: the numpy path

@@ -137,10 +137,10 @@ def test_a_conversion_does_not_depend_on_earlier_ones_in_the_process(tmp_path):
     program (as verify does) advances too: a program converted after that must still be
     byte-identical to the same program converted first."""
     from adapterpack.convert.base_model import load_base
-    from adapterpack.convert.coreml import convert_decoder
+    from adapterpack.formats.mlpackage.conversion import convert_decoder
+    from adapterpack.formats.mlpackage.executor import ProgramExecutor
     from adapterpack.formats.mlpackage.spec import spec_path
     from adapterpack.quiet import captured_output
-    from adapterpack.verification.executor import ProgramExecutor
 
     make_base(tmp_path / "base", "llama")
     model = load_base(tmp_path / "base", dtype="float16")

@@ -10,8 +10,9 @@ import torch
 
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
-from adapterpack.convert import coreml, export_decoder
+from adapterpack.convert import export_decoder
 from adapterpack.errors import VerificationFailed
+from adapterpack.formats.mlpackage import conversion as coreml
 from factories import make_adapter, make_massive_base
 
 

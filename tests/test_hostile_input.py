@@ -207,7 +207,7 @@ def test_an_internal_error_is_one_line_and_exit_1(project, monkeypatch):
     from typer.testing import CliRunner
 
     from adapterpack.cli.app import app
-    from adapterpack.convert import coreml
+    from adapterpack.formats.mlpackage import conversion as coreml
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")

@@ -34,7 +34,7 @@ from adapterpack.config.devices import (
     memory_need,
 )
 from adapterpack.errors import BadInput
-from adapterpack.report.inspect import inspect_package
+from adapterpack.formats.mlpackage.inspection import inspect_package
 from adapterpack.report.memory import human_size, memory_estimate
 from factories import make_adapter, make_base
 

@@ -181,23 +181,23 @@ def test_merge_refuses_a_multifunction_input(parts, tmp_path):
 def test_fused_fast_path_equals_compressing_each_function(project, tmp_path, monkeypatch):
     """Fused functions patched into the compressed base are byte-identical to compressing each
     fused model whole (the path taken when the patch cannot match)."""
-    import adapterpack.compress.model
+    import adapterpack.formats.mlpackage.weights
 
     compressed = []
-    compress_package = adapterpack.compress.model.compress_package
+    compress_package = adapterpack.formats.mlpackage.weights.compress_package
 
     def counted(source, target, *args, **kwargs):
         compressed.append(1)
         return compress_package(source, target, *args, **kwargs)
 
-    monkeypatch.setattr(adapterpack.compress.model, "compress_package", counted)
+    monkeypatch.setattr(adapterpack.formats.mlpackage.weights, "compress_package", counted)
     fast = build(project / "m.yaml", output=tmp_path / "fast" / "p.mlpackage", options=BuildOptions(verify=False))
     # whole programs compressed: the base at 4 and at 6 bits, and the keep-mode function
     assert len(compressed) == 3
 
     compressed.clear()
     monkeypatch.setattr(
-        adapterpack.compress.model, "compressed_records", lambda values, *settings_and_palettes: iter([None] * len(values))
+        adapterpack.formats.mlpackage.weights, "compressed_records", lambda values, *settings_and_palettes: iter([None] * len(values))
     )
     slow = build(project / "m.yaml", output=tmp_path / "slow" / "p.mlpackage", options=BuildOptions(verify=False))
     assert len(compressed) == 5  # ... and each fused function on its own

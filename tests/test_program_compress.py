@@ -1,4 +1,4 @@
-"""Palettization and linear quantization written record by record (compress.program) against
+"""Palettization and linear quantization written record by record (formats.mlpackage.program) against
 coremltools' own ``palettize_weights`` and ``linear_quantize_weights`` on the same converted
 programs: the weight blob must be byte-identical,
 and the program the same graph (coremltools renames and reorders a few ops of its own when it
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from adapterpack.assemble.records import ProgressLines, progress_text
-from adapterpack.compress.model import compress_model, compress_package
 from adapterpack.compress.palettes import PaletteStore
-from adapterpack.compress.program import compress_program, pack_indices
 from adapterpack.config.compression import Compression, weight_setting
+from adapterpack.formats.mlpackage.program import compress_program, pack_indices
 from adapterpack.formats.mlpackage.spec import load_spec_file, spec_path, walk_ops
 from adapterpack.formats.mlpackage.weight_patch import WEIGHTS
+from adapterpack.formats.mlpackage.weights import compress_model, compress_package
 from adapterpack.quiet import captured_output, import_coremltools
 
 SETTINGS = {

@@ -21,7 +21,7 @@ import yaml
 
 from adapterpack.assemble.pipeline import build
 from adapterpack.assemble.records import BuildOptions
-from adapterpack.verification.executor import ProgramExecutor
+from adapterpack.formats.mlpackage.executor import ProgramExecutor
 from adapterpack.verification.metrics import compare_logits
 from factories import make_adapter, make_base
 

@@ -355,7 +355,7 @@ def test_a_palettized_weight_s_indices_are_gone_once_folded(demo):
     import gc
     import weakref
 
-    from adapterpack.verification.executor import ProgramExecutor
+    from adapterpack.formats.mlpackage.executor import ProgramExecutor
 
     executor = ProgramExecutor.load(demo.output, functions=["code"])
     indices = [
@@ -375,8 +375,8 @@ def test_a_function_s_executor_is_gone_before_the_next_one_loads(demo, monkeypat
     import gc
     import weakref
 
+    from adapterpack.formats.mlpackage.executor import ProgramExecutor
     from adapterpack.verification import runners
-    from adapterpack.verification.executor import ProgramExecutor
 
     made: list[weakref.ref] = []
     alive_at_load: list[int] = []

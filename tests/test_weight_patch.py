@@ -10,7 +10,7 @@ from adapterpack.formats.mlpackage.weight_patch import WEIGHTS, TensorChange, pa
 
 def two_layer_program(path, w1, w2, compression=None, palettes=None):
     """Save a two-linear program with these float16 weights (compressed as ``compression`` says)."""
-    from adapterpack.compress.model import compress_model
+    from adapterpack.formats.mlpackage.weights import compress_model
     from adapterpack.quiet import captured_output, import_coremltools
 
     ct = import_coremltools()
@@ -41,14 +41,14 @@ def template(tmp_path_factory):
 
 
 def run(path, x):
-    from adapterpack.verification.executor import ProgramExecutor
+    from adapterpack.formats.mlpackage.executor import ProgramExecutor
 
     executor = ProgramExecutor.load(path)
     return next(iter(executor.predict({"x": x}).values()))
 
 
 def run_function(path, function, x):
-    from adapterpack.verification.executor import ProgramExecutor
+    from adapterpack.formats.mlpackage.executor import ProgramExecutor
 
     executor = ProgramExecutor.load(path, functions=[function])
     return next(iter(executor.predict({"x": x}, function=function).values()))
@@ -135,10 +135,10 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
     """The fast path of a fused function: patch compressed records into the compressed base.
     It must give byte for byte what compressing the model with the new weight gives."""
     from adapterpack.assemble.cache import FolderPalettes
-    from adapterpack.compress.model import compressed_records
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.compression import Compression
     from adapterpack.formats.mlpackage.digest import function_digests
+    from adapterpack.formats.mlpackage.weights import compressed_records
 
     _, w1, w2 = template
     compression = Compression(**settings)
@@ -158,9 +158,9 @@ def test_patching_a_compressed_base_equals_compressing_the_changed_model(templat
 
 def test_compressed_records_decode_to_the_palettized_weight():
     """The records are what constexpr_lut_to_dense reads: packed indices (LSB first) and a palette."""
-    from adapterpack.compress.model import compressed_records
     from adapterpack.compress.palettes import PaletteStore
     from adapterpack.config.compression import Compression
+    from adapterpack.formats.mlpackage.weights import compressed_records
 
     weight = np.random.default_rng(3).standard_normal((32, 48)).astype(np.float16)
     [[(index_dtype, packed), (lut_dtype, lut)]] = compressed_records(

@@ -21,7 +21,7 @@ from adapterpack.inputs.checked import CheckedInputs, hf_name
 
 log = logging.getLogger(__name__)
 
-# Compressions a fused function is patched into the compressed base with (compress.model's
+# Compressions a fused function is patched into the compressed base with (formats.mlpackage.weights'
 # compressed_records); pruning's kept values depend on the whole tensor, so it converts whole.
 PATCHED_COMPRESSIONS = ("palettize", "linear")
 
@@ -218,7 +218,7 @@ class _PartBuilder:
             gc.collect()
 
     def _convert(self, model):
-        from adapterpack.convert.coreml import convert_decoder
+        from adapterpack.formats.mlpackage.conversion import convert_decoder
 
         export = self.checked.manifest.export
         return convert_decoder(model, max_context=export.max_context, target=export.deployment_target)
@@ -249,7 +249,7 @@ class _PartBuilder:
                 self._save(mlmodel, path)
                 del mlmodel
         else:
-            from adapterpack.compress.model import compress_package
+            from adapterpack.formats.mlpackage.weights import compress_package
 
             source = self.template(None)
             self.release_base()
@@ -288,8 +288,8 @@ class _PartBuilder:
 
         ``progress(done, total)``: values compressed so far (the old values' palettes and
         compensated integers usually come from the cache, the new ones are computed)."""
-        from adapterpack.compress.model import compressed_records
         from adapterpack.config.compression import weight_setting
+        from adapterpack.formats.mlpackage.weights import compressed_records
 
         pairs = [(old.numpy(), new.numpy()) for old, new in changes.values()]
         compressed = compression is not None and compression.method in PATCHED_COMPRESSIONS
@@ -395,9 +395,9 @@ class _PartBuilder:
     def _build_whole(self, name: str, adapter, mode: str, compression, changes: dict | None, target: Path) -> None:
         """One function converted (or patched uncompressed) and compressed on its own."""
 
-        from adapterpack.compress.model import compress_package
         from adapterpack.convert.base_model import stored_weight_reader
         from adapterpack.convert.lora import applied_adapter
+        from adapterpack.formats.mlpackage.weights import compress_package
 
         manifest = self.checked.manifest
         lora_compression = manifest.lora_compression if mode == "keep" else None

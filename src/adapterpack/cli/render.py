@@ -244,12 +244,12 @@ def _signed(size: int) -> str:
 
 def print_any_inspection(report, estimate, budget: list[dict], top: int) -> None:
     """The inspection of a package of any format, as its report type prints."""
-    from adapterpack.report.inspect import PackageReport
+    from adapterpack.formats.aimodel.inspection import AssetReport
 
-    if isinstance(report, PackageReport):
-        print_inspection(report, estimate, budget, top)
-    else:
+    if isinstance(report, AssetReport):
         print_asset_inspection(report, estimate, budget)
+    else:
+        print_inspection(report, estimate, budget, top)
 
 
 def print_inspection(report, estimate, budget: list[dict], top: int) -> None:

@@ -1,4 +1,5 @@
-"""Compression of a converted function: palettization (with our 1-D k-means), linear
-quantization, pruning, and float16 exceptions, per the manifest's rules."""
+"""Compression both formats share: palettes (our 1-D k-means, the build's palette store), error
+compensation and the channel importance it weighs by, linear quantization; each format writes
+them as its own ops (``formats.<name>.weights``)."""
 
-__all__ = ["compensation", "importance", "kmeans", "model", "palettes", "program", "quantize"]
+__all__ = ["compensation", "importance", "kmeans", "palettes", "quantize"]

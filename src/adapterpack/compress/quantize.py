@@ -2,7 +2,7 @@
 
 Data-free, a weight's integers are exactly coremltools' (``compute_qparams_by_dtype``, called
 here so its float16 arithmetic, rounding and clipping are its own): the streamed writer
-(``compress.program``) and the fused weights' patch produce the bytes ``linear_quantize_weights``
+(``formats.mlpackage.program``) and the fused weights' patch produce the bytes ``linear_quantize_weights``
 would. With calibration text, at ``COMPENSATED_LINEAR_MAX_NBITS`` bits or fewer
 (``Compression.compensated``), the same scales stay and each integer is chosen with error
 compensation (``compress.compensation``, GPTQ): every block's levels (its scale times

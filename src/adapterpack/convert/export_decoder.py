@@ -41,6 +41,11 @@ MASK_NEGATIVE = -1.0e4
 # Name of the state that marks written cache slots (1.0) against never-written ones (0.0, the
 # value Core ML and the executor give a fresh state).
 WRITTEN_SLOTS = "writtenSlots"
+# The function's inputs, output and states, as swift-transformers names them (both formats).
+INPUT_IDS = "inputIds"
+CAUSAL_MASK = "causalMask"
+LOGITS = "logits"
+STATE_NAMES = ("keyCache", "valueCache", WRITTEN_SLOTS)
 # Smallest row maximum an RMS norm divides by (2^-10): keeps eps / m / m finite in float16
 # (at most eps * 2^20) while leaving the normalized row exact (see ``rms_norm``).
 NORM_FLOOR = 2.0**-10

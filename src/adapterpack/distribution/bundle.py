@@ -257,7 +257,7 @@ def swift_usage(card, package_name: str, bundle_name: str, first: str, tokenizer
 
 
 def apple_usage(package_name: str, bundle_name: str, functions: list[str]) -> list[str]:
-    """The model card's "Use from Swift" section for Apple's runtime contract (``distribution.apple``)."""
+    """The model card's "Use from Swift" section for Apple's runtime contract (``formats.aimodel.bundle``)."""
     first = functions[0]
     return [
         "",

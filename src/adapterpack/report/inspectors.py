@@ -7,8 +7,8 @@ from pathlib import Path
 from adapterpack.formats.aimodel.format import AIMODEL
 from adapterpack.formats.aimodel.inspection import AssetReport, inspect_asset
 from adapterpack.formats.mlpackage.format import MLPACKAGE
+from adapterpack.formats.mlpackage.inspection import PackageReport, inspect_package
 from adapterpack.formats.registry import of_package
-from adapterpack.report.inspect import PackageReport, inspect_package
 
 # Format -> what accounts for a package of it.
 INSPECTORS = {MLPACKAGE: inspect_package, AIMODEL: inspect_asset}

@@ -5,9 +5,9 @@ the activations of its largest call, against each device's app memory limit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from adapterpack.config.devices import activation_bytes, largest_context_that_fits, memory_budget
-from adapterpack.report.inspect import PackageReport
+from adapterpack.config.devices import activation_bytes, kv_cache_bytes, largest_context_that_fits, memory_budget
 
 
 def human_size(size: int) -> str:
@@ -18,6 +18,50 @@ def human_size(size: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GB"
+
+
+@dataclass
+class ModelShape:
+    """Decoder sizes read from the package (states, logits and weights)."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_context: int
+    kv_dtype_bytes: int
+    vocab: int | None = None
+    hidden: int | None = None
+    n_heads: int | None = None
+    intermediate: int | None = None
+    other_state_bytes: int = 0  # states besides keyCache/valueCache (writtenSlots)
+
+    def kv_cache_bytes(self) -> int:
+
+        return kv_cache_bytes(self.n_layers, self.n_kv_heads, self.head_dim, self.max_context, self.kv_dtype_bytes)
+
+    def state_bytes(self) -> int:
+        """Every state of a function: what ``makeState()`` allocates on the device."""
+        return self.kv_cache_bytes() + self.other_state_bytes
+
+    def logits_bytes_per_token(self) -> int:
+        """The float16 logits one call returns per token it is given: a ``(1, q, vocab)`` output,
+        all of it alive when the call returns (part of the activations' estimate); 0 when the
+        vocabulary could not be read."""
+        return 2 * (self.vocab or 0)
+
+
+class InspectedFunction(Protocol):
+    name: str
+    referenced_bytes: int  # the weight bytes a load of this function reads
+
+
+class Inspection(Protocol):
+    """What a format's inspection reports (``formats.<name>.inspection``) that the estimate reads."""
+
+    shape: ModelShape | None
+
+    @property
+    def largest_function(self) -> InspectedFunction: ...
 
 
 @dataclass
@@ -35,7 +79,7 @@ class MemoryEstimate:
         return self.weights_bytes + self.kv_bytes + self.activation_bytes
 
 
-def memory_estimate(report: PackageReport) -> MemoryEstimate | None:
+def memory_estimate(report: Inspection) -> MemoryEstimate | None:
     """Weights of the heaviest function + its KV-cache + activations of the largest call; None without states.
 
     Only one function is loaded at a time (``MLModelConfiguration.functionName``), so the weights

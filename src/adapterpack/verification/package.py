@@ -14,9 +14,9 @@ import numpy as np
 
 from adapterpack.config.manifest import Manifest
 from adapterpack.errors import BadInput
+from adapterpack.formats.mlpackage.executor import DeclaredTypeMismatch
 from adapterpack.formats.registry import of_package, read_functions
 from adapterpack.inputs.checked import check_inputs
-from adapterpack.verification.executor import DeclaredTypeMismatch
 from adapterpack.verification.metrics import compare_logits, perplexity_ratio, retention
 from adapterpack.verification.own_weights import own_weights_logits
 from adapterpack.verification.reference import reference_logits

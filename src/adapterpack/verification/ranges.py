@@ -128,7 +128,7 @@ def _reference_name(name: str) -> str:
 
 # What the export carries in float32 whatever the program's precision (convert.export_decoder:
 # the residual stream, and the norms' insides; coremltools keeps that region float32,
-# convert.coreml.compute_precision): a decoder layer's input and output, the input of a norm
+# formats.mlpackage.conversion.compute_precision): a decoder layer's input and output, the input of a norm
 # reading the residual, and Gemma's post-sublayer norms' outputs, which join it.
 _RESIDUAL_FLOAT32 = re.compile(r"model\.layers\.\d+ \((input|output)\)|model\.norm \(input\)")
 _NORM_OF_RESIDUAL = ("input_layernorm", "post_attention_layernorm")

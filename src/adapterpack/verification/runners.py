@@ -16,10 +16,10 @@ import numpy as np
 from adapterpack.errors import BadInput
 from adapterpack.formats.aimodel.format import CORE_AI_RUNTIME
 from adapterpack.formats.aimodel.runtime import open_asset
+from adapterpack.formats.mlpackage.executor import ProgramExecutor, UnsupportedOp
 from adapterpack.formats.registry import of_package
 from adapterpack.quiet import captured_output, import_coremltools
 from adapterpack.verification.drives import APPLE_DRIVES, DRIVES, Predict, run_drives
-from adapterpack.verification.executor import ProgramExecutor, UnsupportedOp
 
 log = logging.getLogger(__name__)
 

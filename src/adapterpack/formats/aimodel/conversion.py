@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from adapterpack.convert.coreml import CAUSAL_MASK, INPUT_IDS, LOGITS, STATE_NAMES
-from adapterpack.convert.export_decoder import AppleDecoder, ExportDecoder
+from adapterpack.convert.export_decoder import CAUSAL_MASK, INPUT_IDS, LOGITS, STATE_NAMES, AppleDecoder, ExportDecoder
 from adapterpack.errors import BadInput
 from adapterpack.formats.aimodel.asset import EXTRA_MISSING, METADATA_FILE, METADATA_KEY
 from adapterpack.quiet import captured_output

@@ -17,7 +17,7 @@ from typing import Any
 
 from adapterpack.formats.aimodel import asset as aimodel
 from adapterpack.formats.metadata import METADATA_PREFIX
-from adapterpack.report.inspect import ModelShape
+from adapterpack.report.memory import ModelShape
 
 # Core AI ops that decompress a stored constant, by the manifest's method they carry out.
 COMPRESSED_OPS = {"lut_to_dense": "palettize", "blockwise_shift_scale": "linear", "sparse_with_bitmask_to_dense": "prune"}

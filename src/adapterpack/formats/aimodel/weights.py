@@ -16,7 +16,7 @@ base is compressed once and the converter stores it once.
 
     weights = CoreAIWeights(palettes)
     with swapped_modules(model, weights.replacements(model, compression, lora_compression)):
-        export(model)           # (convert.coreai.swapped_modules)
+        export(model)           # (conversion.swapped_modules)
 """
 
 from __future__ import annotations

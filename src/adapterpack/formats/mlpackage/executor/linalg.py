@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from adapterpack.verification.executor.elementwise import _eps, _per_channel, _softmax
-from adapterpack.verification.executor.registry import (
+from adapterpack.formats.mlpackage.executor.elementwise import _eps, _per_channel, _softmax
+from adapterpack.formats.mlpackage.executor.registry import (
     Args,
     Handler,
     _axes,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from adapterpack.verification.executor.registry import (
+from adapterpack.formats.mlpackage.executor.registry import (
     _CAST_DTYPES,
     Args,
     Handler,

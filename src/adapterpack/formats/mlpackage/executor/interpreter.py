@@ -31,9 +31,8 @@ import numpy as np
 
 from adapterpack.errors import BadInput
 from adapterpack.formats.mlpackage.blob import read_blob_records
-from adapterpack.formats.mlpackage.spec import check_package_manifest
-from adapterpack.verification.executor import constexpr, elementwise, linalg, shape_ops  # noqa: F401  (importing them registers their ops)
-from adapterpack.verification.executor.registry import (
+from adapterpack.formats.mlpackage.executor import constexpr, elementwise, linalg, shape_ops  # noqa: F401  (importing them registers their ops)
+from adapterpack.formats.mlpackage.executor.registry import (
     _OPS,
     _STATE_OPS,
     Args,
@@ -41,6 +40,7 @@ from adapterpack.verification.executor.registry import (
     Handler,
     UnsupportedOp,
 )
+from adapterpack.formats.mlpackage.spec import check_package_manifest
 
 SUPPORTED_OPS: frozenset[str] = frozenset(_OPS) | {"const"} | _STATE_OPS
 

@@ -7,15 +7,10 @@ import logging
 import numpy as np
 import torch
 
-from adapterpack.convert.export_decoder import WRITTEN_SLOTS, ExportDecoder
+from adapterpack.convert.export_decoder import CAUSAL_MASK, INPUT_IDS, LOGITS, STATE_NAMES, ExportDecoder
 from adapterpack.quiet import captured_output, import_coremltools
 
 log = logging.getLogger(__name__)
-
-INPUT_IDS = "inputIds"
-CAUSAL_MASK = "causalMask"
-LOGITS = "logits"
-STATE_NAMES = ("keyCache", "valueCache", WRITTEN_SLOTS)
 
 
 def deployment_target(name: str):

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from adapterpack.config.device_rules import package_findings
-from adapterpack.config.devices import kv_cache_bytes
 from adapterpack.errors import BadInput
 from adapterpack.formats.mlpackage.blob import HEADER_BYTES, BlobRecord, read_blob_records
 from adapterpack.formats.mlpackage.spec import (
@@ -50,6 +49,7 @@ from adapterpack.formats.mlpackage.spec import (
     walk_ops,
 )
 from adapterpack.quiet import import_coreml_proto
+from adapterpack.report.memory import ModelShape
 
 UNREFERENCED = "unreferenced"
 
@@ -92,36 +92,6 @@ class FunctionReport:
     bytes_by_kind: dict[str, int]
     tensors: int
     default: bool = False
-
-
-@dataclass
-class ModelShape:
-    """Decoder sizes read from the package (states, logits and weights)."""
-
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    max_context: int
-    kv_dtype_bytes: int
-    vocab: int | None = None
-    hidden: int | None = None
-    n_heads: int | None = None
-    intermediate: int | None = None
-    other_state_bytes: int = 0  # states besides keyCache/valueCache (writtenSlots)
-
-    def kv_cache_bytes(self) -> int:
-
-        return kv_cache_bytes(self.n_layers, self.n_kv_heads, self.head_dim, self.max_context, self.kv_dtype_bytes)
-
-    def state_bytes(self) -> int:
-        """Every state of a function: what ``makeState()`` allocates on the device."""
-        return self.kv_cache_bytes() + self.other_state_bytes
-
-    def logits_bytes_per_token(self) -> int:
-        """The float16 logits one call returns per token it is given: a ``(1, q, vocab)`` output,
-        all of it alive when the call returns (part of the activations' estimate); 0 when the
-        vocabulary could not be read."""
-        return 2 * (self.vocab or 0)
 
 
 @dataclass

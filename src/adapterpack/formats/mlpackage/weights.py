@@ -144,7 +144,7 @@ def compress_package(
     into coremltools (whose linear integers are never error-compensated). ``progress(done,
     total)`` counts weight values (streaming path only).
     """
-    from adapterpack.compress.program import compress_program
+    from adapterpack.formats.mlpackage.program import compress_program
 
     lora_plain = lora_compression is None or lora_compression.method == "none"
     if compression.method == "none" and lora_plain:
@@ -178,8 +178,8 @@ def compressed_records(
     weight's records in a compressed package, so a layout mismatch is a miss, never a wrong
     patch.
     """
-    from adapterpack.compress.program import palettized_records, quantized_records
     from adapterpack.compress.quantize import stored_quantized
+    from adapterpack.formats.mlpackage.program import palettized_records, quantized_records
 
     def is_float16_with(value: np.ndarray, setting: Compression | None, method: str) -> bool:
         return setting is not None and setting.method == method and value.dtype == np.float16

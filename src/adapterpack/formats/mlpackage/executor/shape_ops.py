@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from adapterpack.verification.executor.registry import (
+from adapterpack.formats.mlpackage.executor.registry import (
     Args,
     UnsupportedOp,
     _axes,

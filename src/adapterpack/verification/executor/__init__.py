@@ -1,6 +1,0 @@
-"""numpy executor of Core ML ML Programs: the interpreter, and its ops grouped by family."""
-
-from adapterpack.verification.executor.interpreter import SUPPORTED_OPS, NonFinite, ProgramExecutor
-from adapterpack.verification.executor.registry import DeclaredTypeMismatch, UnsupportedOp
-
-__all__ = ["SUPPORTED_OPS", "DeclaredTypeMismatch", "NonFinite", "ProgramExecutor", "UnsupportedOp"]
