@@ -383,12 +383,12 @@ PREVIOUS_VERIFY = (
 )
 
 
-def run_shape(args, shape: str) -> dict:
-    """Every figure of one shape, in one place."""
+def run_shape(args, shape: str, settings: str) -> dict:
+    """Every figure of one shape at one ``SETTINGS`` entry, in one place."""
     root = args.work / shape
     root.mkdir(parents=True, exist_ok=True)
-    manifest = make_inputs(root, shape, settings=args.settings)
-    figures: dict = {"shape": shape, "settings": args.settings}
+    manifest = make_inputs(root, shape, settings=settings)
+    figures: dict = {"shape": shape, "settings": settings}
 
     ours = root / "out" / "ours.mlpackage"
     if args.verify_only:  # the package an earlier run of these settings built
@@ -447,11 +447,11 @@ def run_shape(args, shape: str) -> dict:
     if args.with_verify:  # the default build verifies every function; unchanged ones keep their verdict
         figures.update(full_and_rebuild(root, manifest, root / "out" / "verified.mlpackage", verify=True))
     if args.keep:
-        kept = make_inputs(root, shape, lora="keep", settings=args.settings)
+        kept = make_inputs(root, shape, lora="keep", settings=settings)
         figures["keep"] = full_and_rebuild(root, kept, root / "out" / "kept.mlpackage", verify=False)
         figures["keep"]["adapterpack_bytes"] = size(root / "out" / "kept.mlpackage")
 
-    if args.settings != "grouped" and not args.skip_baseline:
+    if settings != "grouped" and not args.skip_baseline:
         # The baseline palettizes as "grouped" says; coremltools' own k-means one palette per
         # channel runs at about 0.3M weights/s, over two hours for a 3B base alone.
         figures["baseline_full"] = "not run: the baseline compresses as --settings grouped does"
@@ -493,9 +493,10 @@ def main() -> None:
     parser.add_argument("--calibration-previous", action="store_true",
                         help="also time two clean builds alone (no cache, no verify): as now, and with calibration as before "
                              "(Grams measured apart on a palette worker, factored again per tensor)")
-    parser.add_argument("--settings", choices=list(SETTINGS), default="grouped",
-                        help="how the manifests compress: grouped (the default here, as the baseline does), default "
-                             "(no compression block: what a plain manifest gets), auto (calibration text, compression: auto)")
+    parser.add_argument("--settings", choices=list(SETTINGS), nargs="+", default=["grouped"],
+                        help="how the manifests compress, one or more (each shape runs them in this order, side by side): "
+                             "grouped (the default here, as the baseline does), default (no compression block: what a plain "
+                             "manifest gets), auto (calibration text, compression: auto)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--record", metavar="NAME",
                         help="also write benchmarks/results/NAME.json: the table the docs render, the machine and the command")
@@ -505,12 +506,13 @@ def main() -> None:
 
     report = {"machine": machine(), "runs": []}
     for shape in args.shape:
-        report["runs"].append(run_shape(args, shape))
-        if args.json:  # written after every shape: a long run keeps what it measured
-            args.json.write_text(json.dumps(report, indent=2))
-        if args.record:
-            table = calibration_table(report["runs"]) if args.calibration_previous else build_table(report["runs"], args.settings)
-            record(args.record, {"build": table}, report, report["machine"])
+        for settings in args.settings:
+            report["runs"].append(run_shape(args, shape, settings))
+            if args.json:  # written after every run: a long one keeps what it measured
+                args.json.write_text(json.dumps(report, indent=2))
+            if args.record:
+                table = calibration_table(report["runs"]) if args.calibration_previous else build_table(report["runs"])
+                record(args.record, {"build": table}, report, report["machine"])
     print(json.dumps(report["machine"], indent=2))
 
 
@@ -536,8 +538,9 @@ def calibration_table(runs: list[dict]) -> Table:
     return Table(["clean build, 4 fused adapters, plain manifest: seconds / peak RSS", *(SHAPE_TITLES[r["shape"]] for r in runs)], rows)
 
 
-def build_table(runs: list[dict], settings: str) -> Table:
-    """The docs' table of a run: a column per shape, what a user waits for per row."""
+def build_table(runs: list[dict]) -> Table:
+    """The docs' table of a run: a column per shape (and settings, when it ran more than one),
+    what a user waits for per row."""
 
     def timed(run: dict, key: str) -> str:
         found = run.get(key)
@@ -560,7 +563,21 @@ def build_table(runs: list[dict], settings: str) -> Table:
     if any(isinstance(r.get("baseline_full"), dict) for r in runs):
         rows.append(["straightforward coremltools pipeline", *(timed(r, "baseline_full") for r in runs)])
         rows.append(["clean build against it", *(f"**{r['speedup']}x faster**" if "speedup" in r else "-" for r in runs)])
-    return Table([f"4 fused adapters, {SETTINGS_TITLES[settings]}", *(SHAPE_TITLES[r["shape"]] for r in runs)], rows)
+    settings = sorted({r["settings"] for r in runs}, key=list(SETTINGS).index)
+    if len(settings) == 1:
+        return Table([f"4 fused adapters, {SETTINGS_TITLES[settings[0]]}", *(SHAPE_TITLES[r["shape"]] for r in runs)], rows)
+    plain = {r["shape"]: r for r in runs if r["settings"] == "default"}
+    if plain and any(r["settings"] == "auto" for r in runs):
+        rows.append(["auto's build over the plain manifest's, against one verify", *(_auto_cost(r, plain.get(r["shape"])) for r in runs)])
+    return Table(["4 fused adapters", *(f"{SHAPE_TITLES[r['shape']]}, {SETTINGS_TITLES[r['settings']]}" for r in runs)], rows)
+
+
+def _auto_cost(run: dict, plain: dict | None) -> str:
+    """What ``compression: auto``'s measurements add to the build, in verifies of the package."""
+    if run["settings"] != "auto" or plain is None or "adapterpack_verify" not in run:
+        return "-"
+    extra = run["adapterpack_full"]["seconds"] - plain["adapterpack_full"]["seconds"]
+    return f"+{extra:,.1f} s = {extra / run['adapterpack_verify']['seconds']:.2f} verifies"
 
 
 if __name__ == "__main__":
