@@ -36,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from results import Table, machine, record  # noqa: E402  (the benchmarks' own module)
+from results import Table, add_record_option, machine, record  # noqa: E402  (the benchmarks' own module)
 
 PYTHON = sys.executable
 
@@ -498,8 +498,7 @@ def main() -> None:
                              "grouped (the default here, as the baseline does), default (no compression block: what a plain "
                              "manifest gets), auto (calibration text, compression: auto)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--record", metavar="NAME",
-                        help="also write benchmarks/results/NAME.json: the table the docs render, the machine and the command")
+    add_record_option(parser)
     args = parser.parse_args()
     if args.verify_only and not args.skip_baseline:
         parser.error("--verify-only times verify alone: add --skip-baseline")

@@ -30,6 +30,9 @@ sys.path.insert(0, str(REPO / "src"))
 
 from adapterpack.threads import available_cores  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import Table, record  # noqa: E402
+
 ADAPTERPACK = REPO / ".venv" / "bin" / "adapterpack"
 
 # name -> environment added to the build's; "adapterpack" runs it as shipped.
@@ -108,6 +111,16 @@ def main() -> None:
     print(json.dumps(figures, indent=2))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
+    if args.record:
+        titles = {"adapterpack": "adapterpack's thread settings", "spinning pools (before)": "the libraries' own (before)"}
+        rows = [
+            [titles.get(name, name), f"{found['alone_seconds']} s", f"{found['beside_load_seconds']} s", f"{found['slowdown']}x",
+             f"{found['slowdown_over_fair_share']}"]
+            for name, found in figures["configurations"].items()
+        ]
+        rows.append(["beside the load, adapterpack's against before", "", f"**{figures['beside_load_speedup_over_before']}x faster**", "", ""])
+        columns = ["", "alone", f"beside {args.load} CPU-bound processes", "slowdown", f"against the fair share ({fair:.2g}x)"]
+        record(args.record, {"busy": Table(columns, rows)}, figures)
 
 
 if __name__ == "__main__":

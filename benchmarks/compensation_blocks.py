@@ -26,6 +26,7 @@ from adapterpack.threads import use_machine_threads  # noqa: E402
 use_machine_threads()  # the thread pools a build runs with, set before numpy and torch load
 
 import numpy as np  # noqa: E402
+from results import Table, add_record_option, record  # noqa: E402
 
 import adapterpack.compress.compensation as compensation  # noqa: E402
 
@@ -54,7 +55,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1, help="runs of each, the fastest reported")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    add_record_option(parser)
     args = parser.parse_args()
+    titles = {"qkv": "q/k/v stacked", "o": "o", "gate_up": "gate/up stacked", "down": "down"}
+    rows, figures = [], {"repeat": args.repeat, "shapes": {}}
     rng = np.random.default_rng(0)
     sub_block = compensation.SUB_BLOCK
     ways = (("whole block", compensation.BLOCK), (f"sub-blocks of {sub_block}", sub_block))
@@ -79,7 +83,12 @@ def main() -> None:
         shape = "x".join(map(str, SHAPES[name]))
         print(f"{name:>8} {shape:>12} {seconds[0]:>11.2f}s {seconds[1]:>16.2f}s {seconds[0] / seconds[1]:>5.2f}x "
               f"{differ:>8.2e} {errors[1] / errors[0]:>12.6f}")
+        figures["shapes"][name] = {"seconds": [round(s, 3) for s in seconds], "entries_differing": differ, "error_ratio": errors[1] / errors[0]}
+        rows.append([f"{titles[name]} ({shape.replace('x', ' x ')})", f"{seconds[0]:.2f} s", f"{seconds[1]:.2f} s", f"{seconds[0] / seconds[1]:.2f}x"])
     print(f"{'all':>8} {'':>12} {totals[0]:>11.2f}s {totals[1]:>16.2f}s {totals[0] / totals[1]:>5.2f}x")
+    if args.record:
+        rows.append(["one layer", f"{totals[0]:.2f} s", f"{totals[1]:.2f} s", f"**{totals[0] / totals[1]:.2f}x**"])
+        record(args.record, {"blocks": Table(["pass (out x in)", ways[0][0], ways[1][0], "ratio"], rows)}, figures)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from adapterpack.threads import use_machine_threads  # noqa: E402
 use_machine_threads()  # the thread pools a build runs with, set before numpy and torch load
 
 import numpy as np  # noqa: E402
+from results import Table, add_record_option, record  # noqa: E402
 
 import adapterpack.compress.compensation as compensation  # noqa: E402
 
@@ -30,7 +31,9 @@ import adapterpack.compress.compensation as compensation  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs of each, the fastest reported")
+    add_record_option(parser)
     args = parser.parse_args()
+    rows, figures = [], {"repeat": args.repeat, "entries": {}}
     rng = np.random.default_rng(0)
     out_features, in_features = 2048, 640
     weight = (rng.standard_normal((out_features, in_features)) * 0.02).astype(np.float32)
@@ -50,7 +53,13 @@ def main() -> None:
             seconds[label] = min(runs)
         if not np.array_equal(chosen["every entry"], chosen["bisection"]):
             sys.exit(f"{entries} entries: bisection chose other entries")
-        print(f"{entries:>8} {seconds['every entry']:>11.2f}s {seconds['bisection']:>9.2f}s {seconds['every entry'] / seconds['bisection']:>5.2f}x")
+        ratio = seconds["every entry"] / seconds["bisection"]
+        print(f"{entries:>8} {seconds['every entry']:>11.2f}s {seconds['bisection']:>9.2f}s {ratio:>5.2f}x")
+        figures["entries"][entries] = {**{k: round(v, 3) for k, v in seconds.items()}, "ratio": round(ratio, 2), "identical_entries": True}
+        rows.append([str(entries), f"{seconds['every entry']:.2f} s", f"{seconds['bisection']:.2f} s", f"{ratio:.2f}x"])
+    if args.record:
+        columns = ["palette entries (2048 x 640 weight)", "compared with every entry", "bisection", "ratio"]
+        record(args.record, {"nearest": Table(columns, rows)}, figures)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from results import Table, add_record_option, record
+
 from adapterpack.quiet import captured_output
 
 
@@ -98,6 +100,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    add_record_option(parser)
     args = parser.parse_args()
 
     ct = coremltools_with_sklearn()
@@ -156,6 +159,13 @@ def main() -> None:
           f"bit-identical run to run: {identical}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
+    if args.record:
+        rows = [
+            ["coremltools k-means (kmeans1d / scikit-learn)", f"{baseline_seconds:.2f}", f"{params / baseline_seconds / 1e6:.2f}M", f"{baseline_mse:.4e}"],
+            ["adapterpack (vectorized 1-D k-means)", f"{ours_seconds:.2f}", f"{params / ours_seconds / 1e6:.2f}M", f"{ours_mse:.4e}"],
+            ["ratio", f"**{figures['speedup']}x faster**", "", f"**{(figures['error_ratio'] - 1) * 100:+.2f}% error**"],
+        ]
+        record(args.record, {"palettization": Table(["", "seconds", "params/s", "reconstruction MSE"], rows)}, figures)
 
 
 if __name__ == "__main__":

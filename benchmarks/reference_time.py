@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_time import PYTHON, SHAPES, machine, make_inputs  # noqa: E402
+from results import Table, add_record_option, record  # noqa: E402
 
 # One way, in its own process: seconds and peak RSS of verify's references (``verify``) or the
 # build's range check (``range``), what they found saved.
@@ -47,7 +48,7 @@ checked = check_inputs(Path(manifest))
 names = checked.manifest.function_names
 started = time.perf_counter()
 if stage == "verify":
-    tokens, base, adapters = reference.reference_logits(checked, names)
+    tokens, base, adapters = reference.random_references(checked, names)
 else:
     found = out_of_float16_range(checked, names)
 seconds = time.perf_counter() - started
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/adapterpack-bench"))
     parser.add_argument("--repeat", type=int, default=2, help="runs of each way, alternately")
     parser.add_argument("--json", type=Path)
+    add_record_option(parser)
     args = parser.parse_args()
     report = {"machine": machine(), "runs": []}
     for shape in args.shape:
@@ -117,6 +119,26 @@ def main() -> None:
                          else "same findings" if figures["agreement"] else "DIFFERENT FINDINGS")
             print(f"{run['shape']} {stage}: one at a time {best['one_at_a_time']} s, side by side {best['side_by_side']} s: "
                   f"{figures['side_by_side_faster']}x faster; peak RSS {peak['one_at_a_time']} / {peak['side_by_side']} GiB; {agreement}")
+    if args.record:
+        record(args.record, {"references": references_table(report["runs"])}, report, report["machine"])
+
+
+SHAPE_TITLES = {"25m": "25M", "1b": "1B", "3b": "3B", "8b": "8B"}
+STAGE_TITLES = {"verify": "verify references", "range": "range check"}
+
+
+def references_table(runs: list[dict]) -> Table:
+    """One row per shape and stage: the best seconds of each way, the ratio, the peaks."""
+    rows = []
+    for run in runs:
+        for stage in STAGES:
+            figures = run[stage]
+            best = figures["best_seconds"]
+            peak = {way: max(found["peak_rss_gib"] for found in figures[way]) for way in WAYS}
+            rows.append([f"{SHAPE_TITLES[run['shape']]} {STAGE_TITLES[stage]}", f"{best['one_at_a_time']} s",
+                         f"{best['side_by_side']} s (**{figures['side_by_side_faster']}x faster**)",
+                         f"{peak['one_at_a_time']:.2f} / {peak['side_by_side']:.2f} GiB"])
+    return Table(["4 adapters, r 16 on q/k/v/o", "one at a time", "side by side", "peak RSS (one at a time / side by side)"], rows)
 
 if __name__ == "__main__":
     main()

@@ -60,6 +60,12 @@ def machine() -> dict:
     return info
 
 
+def add_record_option(parser) -> None:
+    """``--record NAME``, as every benchmark the docs render takes it."""
+    parser.add_argument("--record", metavar="NAME",
+                        help="also write benchmarks/results/NAME.json: the table the docs render, the machine and the command")
+
+
 def record(name: str, tables: dict[str, Table], figures: dict, measured_on: dict | None = None) -> Path:
     """Write ``benchmarks/results/NAME.json``: the tables the docs render, every figure, the
     machine, the date and the command that ran (this process's)."""
