@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "src"))
 from adapterpack.threads import available_cores  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import Table, record  # noqa: E402
+from results import Table, add_record_option, record  # noqa: E402
 
 ADAPTERPACK = REPO / ".venv" / "bin" / "adapterpack"
 
@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each measurement; the median is reported")
     parser.add_argument("--alternatives", action="store_true", help="also the other thread settings tried (ALTERNATIVES)")
     parser.add_argument("--json", type=Path)
+    add_record_option(parser)
     args = parser.parse_args()
 
     cores = available_cores()  # what the build's own thread pools are sized to
