@@ -95,10 +95,9 @@ def _flag(default, flag: str, help: str, *, negates: bool = False):
 
 
 def _format_help() -> str:
-    from adapterpack.formats.registry import FORMATS
+    from adapterpack.formats.registry import described
 
-    formats = " or ".join(f"{f.name} ({f.platforms})" for f in FORMATS.values())
-    return f"Package format: {formats}; default: the output's suffix, else the manifest's export.format"
+    return f"Package format: {described()}; default: the output's suffix, else the manifest's export.format"
 
 
 @dataclass(frozen=True)

@@ -117,10 +117,6 @@ def format_of(path: str | Path) -> str | None:
     return found.name if found is not None else None
 
 
-def _format_choices() -> str:
-    return "; ".join(f"{f.name}: {f.platforms}" for f in format_registry.FORMATS.values())
-
-
 # How an app calls a function (export.contract): swift-transformers' LanguageModelWithStatefulKVCache
 # (the default; a .mlpackage's only one), or Apple's Core AI Swift runtime (convert.export_decoder);
 # every contract some format of the registry takes, the default first.
@@ -141,7 +137,7 @@ class Export(Strict):
     deployment_target: Literal[DEPLOYMENT_TARGETS] = "iOS18"  # type: ignore[valid-type]
     format: PackageFormat = Field(
         default=PACKAGE_FORMATS[0],
-        description=f"{_format_choices()} (the first is the default)",
+        description=f"{format_registry.described()} (the first is the default)",
     )
     compute_precision: Literal["float16", "float32"] = Field(
         default="float16",

@@ -15,6 +15,11 @@ FORMATS: dict[str, Format] = {f.name: f for f in (MLPACKAGE, AIMODEL)}
 NAMES = tuple(FORMATS)
 
 
+def described() -> str:
+    """Every format with what runs it, for help texts: ``mlpackage (Core ML, iOS/macOS 18+) or ...``."""
+    return " or ".join(f"{f.name} ({f.platforms})" for f in FORMATS.values())
+
+
 def named(name: str) -> Format:
     """The format called ``name`` (``--format``, ``export.format``)."""
     try:
