@@ -81,28 +81,23 @@ def measured(weights: list[np.ndarray], group_size: int) -> dict:
     }
 
 
-def cores_table(by_size: dict[int, dict]) -> Table:
+def cores_table(weights: int, by_size: dict[int, dict]) -> Table:
     """Seconds and weights per second of each way, a column pair per group size."""
     workers = palettes.PALETTE_WORKERS
     titles = {16: "groups of 16", 1: "one per channel"}
     columns = [""]
     for size in by_size:
-        title = titles.get(size, f"groups of {size}")
-        columns += [f"{title}: seconds", "weights/s"]
+        columns += [f"{titles.get(size, f'groups of {size}')}: seconds", "weights/s"]
     serial = next(key for key in next(iter(by_size.values())) if key.startswith("serial_torch_"))
     ways = [
-        (f"one batch after another, torch's {serial.split('_')[2]} threads inside each step (how builds clustered before)", serial, "serial_weights_per_second"),
-        ("one worker, one torch thread", "one_worker_seconds", None),
-        (f"{workers} workers, one torch thread each (what builds do now)", f"{workers}_workers_seconds", f"{workers}_workers_weights_per_second"),
+        (f"one batch after another, torch's {serial.split('_')[2]} threads inside each step (how builds clustered before)", serial),
+        ("one worker, one torch thread", "one_worker_seconds"),
+        (f"{workers} workers, one torch thread each (what builds do now)", f"{workers}_workers_seconds"),
     ]
-    rows = []
-    for title, seconds, rate in ways:
-        row = [title]
-        for found in by_size.values():
-            total = found[f"{workers}_workers_weights_per_second"] * found[f"{workers}_workers_seconds"]
-            per_second = found[rate] if rate else total / found[seconds]
-            row += [f"{found[seconds]:.2f}", f"{per_second / 1e6:.1f}M"]
-        rows.append(row)
+    rows = [
+        [title, *(cell for found in by_size.values() for cell in (f"{found[seconds]:.2f}", f"{weights / found[seconds] / 1e6:.1f}M"))]
+        for title, seconds in ways
+    ]
     rows.append([f"{workers} workers against the previous way (its seconds over theirs)", *(cell for found in by_size.values()
                  for cell in (f"**{found['speedup_over_serial']}x**", ""))])
     return Table(columns, rows)
@@ -134,7 +129,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
     if args.record:
-        record(args.record, {"cores": cores_table(figures["group_size"])}, figures)
+        record(args.record, {"cores": cores_table(figures["weights"], figures["group_size"])}, figures)
     if not all(f["identical_palettes"] for f in figures["group_size"].values()):
         sys.exit("the palettes differ between one and two workers")
 
